@@ -1,0 +1,5 @@
+"""`python -m jaxengine` runs the command line."""
+
+from jaxengine.cli import main
+
+main()

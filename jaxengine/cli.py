@@ -1,0 +1,66 @@
+"""Command line: `jaxengine generate` and `jaxengine convert`."""
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
+# Files copied beside the converted parameters so the output directory is a complete model.
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from jaxengine import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    for prompt, out in zip(args.prompts, llm.generate(args.prompts, params)):
+        print(f"--- {prompt!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
+        print(prompt + out.text)
+
+
+def _convert(args: argparse.Namespace) -> None:
+    from jaxengine.models.loader import load_model, save_params
+
+    src, out = Path(args.hf_dir), Path(args.out_dir)
+    start = time.perf_counter()
+    _, _, state = load_model(src, args.dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in MODEL_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+    save_params(state, out)
+    print(f"converted {src} -> {out} ({args.dtype}) in {time.perf_counter() - start:.1f}s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `jaxengine` command."""
+    parser = argparse.ArgumentParser(prog="jaxengine", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts")
+    gen.add_argument("prompts", nargs="+", help="text prompts")
+    gen.add_argument("--model", default=str(DEFAULT_MODEL), help="model directory (default: the embedded model)")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=_generate)
+
+    conv = sub.add_parser("convert", help="store a Hugging Face checkpoint's parameters with Orbax")
+    conv.add_argument("hf_dir")
+    conv.add_argument("out_dir")
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    conv.set_defaults(func=_convert)
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        sys.exit(f"jaxengine: error: {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Grouped-query attention over the paged KV pool."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxengine.models.batch import StepBatch, TokenLayout
+from jaxengine.models.config import AttentionConfig
+from jaxengine.models.kernels import KernelOps
+from jaxengine.models.layers import apply_rope, linear
+
+
+class Attention(nnx.Module):
+    """Projects, rotates, writes this step's K/V into its pages and attends over each
+    sequence's pages with ragged paged attention."""
+
+    def __init__(self, hidden_size: int, cfg: AttentionConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = linear(hidden_size, q_width, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        self.k_proj = linear(hidden_size, kv_width, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        self.v_proj = linear(hidden_size, kv_width, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(q_width, hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, D]
+        k_pages: jax.Array,  # [num_pages, page_size, Hkv, head_dim]
+        v_pages: jax.Array,
+        batch: StepBatch,
+        layout: TokenLayout,
+        ops: KernelOps,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, D], new k_pages, new v_pages
+        cfg = self.cfg
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.rotary_dim:
+            q = apply_rope(q, layout.positions, cfg.rotary_dim, cfg.rope_theta)
+            k = apply_rope(k, layout.positions, cfg.rotary_dim, cfg.rope_theta)
+        k_pages, v_pages = ops.write_kv_pages(k_pages, v_pages, k, v, layout.slot_mapping)
+        out = ops.ragged_paged_attention(
+            q, k_pages, v_pages, batch.kv_lens, batch.page_table, batch.cu_q_lens, sm_scale=cfg.sm_scale
+        )
+        return self.o_proj(out.reshape(num_tokens, -1)), k_pages, v_pages

@@ -1,0 +1,376 @@
+"""Model configuration: one frozen dataclass that every supported architecture maps onto.
+
+A model is a stack of layers, each with an optional *mixer* (attention or Mamba2) and an
+optional *feed-forward* (gated MLP, squared-ReLU MLP, or mixture of experts), both pre-norm
+residual branches. The per-architecture functions below read a Hugging Face config and fill
+this table; the model code only ever sees `ModelConfig`.
+"""
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from transformers import AutoConfig, PretrainedConfig
+
+Mixer = Literal["attention", "mamba"]
+FeedForward = Literal["mlp", "moe"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """What one decoder layer holds; `None` means the branch is absent."""
+
+    mixer: Mixer | None
+    ffn: FeedForward | None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Grouped-query attention with optional (partial) rotary embeddings."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int  # 0: no positional embedding
+    rope_theta: float
+    sm_scale: float
+    bias: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaConfig:
+    """A Mamba2 (SSD) mixer."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    time_step_limit: tuple[float, float]
+    conv_bias: bool
+    proj_bias: bool
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpConfig:
+    """A dense feed-forward: gated (`act(gate) * up`) or plain (`act(up)`)."""
+
+    intermediate_size: int
+    activation: Literal["silu", "relu2"]
+    gated: bool
+    bias: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Routed experts plus an always-on shared expert.
+
+    `router="softmax_topk"`: Granite's top-k of the router logits, softmaxed over the k.
+    `router="sigmoid_grouped"`: Nemotron-H's sigmoid scores, bias-corrected group-limited
+    selection, optionally renormalised, times `routed_scaling_factor`.
+    """
+
+    num_experts: int
+    top_k: int
+    expert: MlpConfig
+    shared: MlpConfig
+    router: Literal["softmax_topk", "sigmoid_grouped"]
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Everything the model code needs, whatever the source architecture."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    layers: tuple[LayerSpec, ...]
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention: AttentionConfig | None
+    mamba: MambaConfig | None
+    mlp: MlpConfig | None
+    moe: MoeConfig | None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    norm_weight_in_fp32: bool = False  # Nemotron-H scales by the norm weight before casting back
+    max_position_embeddings: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_attention_layers(self) -> int:
+        return sum(spec.mixer == "attention" for spec in self.layers)
+
+    @property
+    def num_mamba_layers(self) -> int:
+        return sum(spec.mixer == "mamba" for spec in self.layers)
+
+
+def _fail(architecture: str, field: str, value: Any, supported: str) -> None:
+    raise ValueError(f"{architecture}: unsupported value {field}={value!r}; supported: {supported}")
+
+
+def _rope(hf: PretrainedConfig, head_dim: int, architecture: str) -> tuple[int, float]:
+    """(rotary_dim, theta) from `rope_parameters` (or the older top-level `rope_theta`)."""
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        _fail(architecture, "rope_parameters.rope_type", rope_type, "'default'")
+    theta = float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    factor = float(params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)))
+    return int(head_dim * factor), theta
+
+
+def _attention(hf: PretrainedConfig, architecture: str, *, use_rope: bool, head_dim: int | None = None) -> AttentionConfig:
+    head_dim = head_dim or getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    rotary_dim, theta = _rope(hf, head_dim, architecture) if use_rope else (0, 10000.0)
+    num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    if hf.num_attention_heads % num_kv_heads:
+        _fail(architecture, "num_key_value_heads", num_kv_heads, f"a divisor of num_attention_heads={hf.num_attention_heads}")
+    return AttentionConfig(
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        rope_theta=theta,
+        sm_scale=head_dim**-0.5,
+        bias=bool(getattr(hf, "attention_bias", False)),
+    )
+
+
+def _activation(hf: PretrainedConfig, field: str, architecture: str, supported: tuple[str, ...]) -> str:
+    act = getattr(hf, field)
+    if act not in supported:
+        _fail(architecture, field, act, ", ".join(supported))
+    return act
+
+
+def _time_step_limit(value: Any) -> tuple[float, float]:
+    low, high = (float(v) if not isinstance(v, dict) else float(v["__float__"]) for v in value)
+    return low, high
+
+
+def _bamba_like_mamba(hf: PretrainedConfig, architecture: str) -> MambaConfig:
+    _activation(hf, "hidden_act", architecture, ("silu",))
+    num_heads = hf.mamba_n_heads
+    head_dim = hf.mamba_d_head
+    if head_dim == "auto" or head_dim is None:
+        head_dim = hf.mamba_expand * hf.hidden_size // num_heads
+    if num_heads % hf.mamba_n_groups:
+        _fail(architecture, "mamba_n_groups", hf.mamba_n_groups, f"a divisor of mamba_n_heads={num_heads}")
+    return MambaConfig(
+        num_heads=num_heads,
+        head_dim=int(head_dim),
+        state_size=hf.mamba_d_state,
+        n_groups=hf.mamba_n_groups,
+        conv_kernel=hf.mamba_d_conv,
+        chunk_size=hf.mamba_chunk_size,
+        time_step_limit=_time_step_limit(hf.time_step_limit or (0.0, math.inf)),
+        conv_bias=bool(hf.mamba_conv_bias),
+        proj_bias=bool(hf.mamba_proj_bias),
+    )
+
+
+def _eos(hf: PretrainedConfig) -> tuple[int, ...]:
+    eos = getattr(hf, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _common(hf: PretrainedConfig, architecture: str) -> dict[str, Any]:
+    return dict(
+        architecture=architecture,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        max_position_embeddings=int(getattr(hf, "max_position_embeddings", 4096) or 4096),
+        eos_token_ids=_eos(hf),
+    )
+
+
+def _llama(hf: PretrainedConfig) -> ModelConfig:
+    arch = "LlamaForCausalLM"
+    act = _activation(hf, "hidden_act", arch, ("silu",))
+    return ModelConfig(
+        **_common(hf, arch),
+        layers=tuple(LayerSpec("attention", "mlp") for _ in range(hf.num_hidden_layers)),
+        rms_norm_eps=hf.rms_norm_eps,
+        attention=_attention(hf, arch, use_rope=True),
+        mamba=None,
+        mlp=MlpConfig(hf.intermediate_size, act, gated=True, bias=bool(getattr(hf, "mlp_bias", False))),
+        moe=None,
+    )
+
+
+def _mamba2(hf: PretrainedConfig) -> ModelConfig:
+    arch = "Mamba2ForCausalLM"
+    _activation(hf, "hidden_act", arch, ("silu",))
+    if hf.num_heads * hf.head_dim != hf.expand * hf.hidden_size:
+        _fail(arch, "num_heads * head_dim", hf.num_heads * hf.head_dim, f"expand * hidden_size = {hf.expand * hf.hidden_size}")
+    mamba = MambaConfig(
+        num_heads=hf.num_heads,
+        head_dim=hf.head_dim,
+        state_size=hf.state_size,
+        n_groups=hf.n_groups,
+        conv_kernel=hf.conv_kernel,
+        chunk_size=hf.chunk_size,
+        time_step_limit=_time_step_limit(hf.time_step_limit or (0.0, math.inf)),
+        conv_bias=bool(hf.use_conv_bias),
+        proj_bias=bool(hf.use_bias),
+    )
+    return ModelConfig(
+        **_common(hf, arch),
+        layers=tuple(LayerSpec("mamba", None) for _ in range(hf.num_hidden_layers)),
+        rms_norm_eps=hf.layer_norm_epsilon,
+        attention=None,
+        mamba=mamba,
+        mlp=None,
+        moe=None,
+    )
+
+
+def _layer_mixers(types: list[str], architecture: str, field: str) -> list[Mixer]:
+    table = {"full_attention": "attention", "linear_attention": "mamba"}
+    for t in types:
+        if t not in table:
+            _fail(architecture, field, t, ", ".join(table))
+    return [table[t] for t in types]
+
+
+def _bamba(hf: PretrainedConfig) -> ModelConfig:
+    arch = "BambaForCausalLM"
+    act = _activation(hf, "hidden_act", arch, ("silu",))
+    mixers = _layer_mixers(list(hf.layers_block_type), arch, "attn_layer_indices")
+    return ModelConfig(
+        **_common(hf, arch),
+        layers=tuple(LayerSpec(m, "mlp") for m in mixers),
+        rms_norm_eps=hf.rms_norm_eps,
+        attention=_attention(hf, arch, use_rope=True),
+        mamba=_bamba_like_mamba(hf, arch),
+        mlp=MlpConfig(hf.intermediate_size, act, gated=True, bias=bool(getattr(hf, "mlp_bias", False))),
+        moe=None,
+    )
+
+
+def _granite_moe_hybrid(hf: PretrainedConfig) -> ModelConfig:
+    arch = "GraniteMoeHybridForCausalLM"
+    act = _activation(hf, "hidden_act", arch, ("silu",))
+    mixers = _layer_mixers(list(hf.layer_types or ["linear_attention"] * hf.num_hidden_layers), arch, "layer_types")
+    pos = getattr(hf, "position_embedding_type", None)
+    if pos not in (None, "nope", "rope"):
+        _fail(arch, "position_embedding_type", pos, "null, 'nope', 'rope'")
+    attention = _attention(hf, arch, use_rope=pos == "rope")
+    attention = dataclasses.replace(attention, sm_scale=float(hf.attention_multiplier))
+    shared = MlpConfig(hf.shared_intermediate_size, act, gated=True, bias=False)
+    moe = None
+    if hf.num_local_experts > 0:
+        expert = MlpConfig(hf.intermediate_size, act, gated=True, bias=False)
+        moe = MoeConfig(hf.num_local_experts, hf.num_experts_per_tok, expert, shared, router="softmax_topk")
+    return ModelConfig(
+        **_common(hf, arch),
+        layers=tuple(LayerSpec(m, "moe" if moe else "mlp") for m in mixers),
+        rms_norm_eps=hf.rms_norm_eps,
+        attention=attention,
+        mamba=_bamba_like_mamba(hf, arch),
+        mlp=None if moe else shared,
+        moe=moe,
+        embedding_multiplier=float(hf.embedding_multiplier),
+        residual_multiplier=float(hf.residual_multiplier),
+        logits_scaling=float(hf.logits_scaling),
+    )
+
+
+def _nemotron_h(hf: PretrainedConfig) -> ModelConfig:
+    arch = "NemotronHForCausalLM"
+    table = {
+        "linear_attention": LayerSpec("mamba", None),
+        "full_attention": LayerSpec("attention", None),
+        "mlp": LayerSpec(None, "mlp"),
+        "moe": LayerSpec(None, "moe"),
+    }
+    for t in hf.layers_block_type:
+        if t not in table:
+            _fail(arch, "layers_block_type", t, ", ".join(table))
+    layers = tuple(table[t] for t in hf.layers_block_type)
+    mlp_act = _activation(hf, "mlp_hidden_act", arch, ("relu2",))
+    _activation(hf, "mamba_hidden_act", arch, ("silu",))
+    if getattr(hf, "moe_latent_size", None):
+        _fail(arch, "moe_latent_size", hf.moe_latent_size, "null")
+    mamba = MambaConfig(
+        num_heads=hf.mamba_num_heads,
+        head_dim=hf.mamba_head_dim,
+        state_size=hf.ssm_state_size,
+        n_groups=hf.n_groups,
+        conv_kernel=hf.conv_kernel,
+        chunk_size=hf.chunk_size,
+        # The reference implementation ignores `time_step_limit` and clamps at time_step_min.
+        time_step_limit=(float(hf.time_step_min), math.inf),
+        conv_bias=bool(hf.use_conv_bias),
+        proj_bias=bool(hf.use_bias),
+    )
+    moe = None
+    if any(spec.ffn == "moe" for spec in layers):
+        moe = MoeConfig(
+            num_experts=hf.n_routed_experts,
+            top_k=hf.num_experts_per_tok,
+            expert=MlpConfig(hf.moe_intermediate_size, mlp_act, gated=False, bias=False),
+            shared=MlpConfig(hf.moe_shared_expert_intermediate_size, mlp_act, gated=False, bias=False),
+            router="sigmoid_grouped",
+            n_group=hf.n_group,
+            topk_group=hf.topk_group,
+            norm_topk_prob=bool(hf.norm_topk_prob),
+            routed_scaling_factor=float(hf.routed_scaling_factor),
+        )
+    attention = _attention(hf, arch, use_rope=False, head_dim=hf.head_dim)
+    return ModelConfig(
+        **{**_common(hf, arch), "tie_word_embeddings": False},  # Nemotron-H never ties lm_head
+        layers=layers,
+        rms_norm_eps=hf.layer_norm_epsilon,
+        attention=dataclasses.replace(attention, bias=False),
+        mamba=mamba,
+        mlp=MlpConfig(hf.intermediate_size, mlp_act, gated=False, bias=bool(getattr(hf, "mlp_bias", False))),
+        moe=moe,
+        norm_weight_in_fp32=True,
+    )
+
+
+ARCHITECTURES: dict[str, Callable[[PretrainedConfig], ModelConfig]] = {
+    "LlamaForCausalLM": _llama,
+    "Mamba2ForCausalLM": _mamba2,
+    "BambaForCausalLM": _bamba,
+    "GraniteMoeHybridForCausalLM": _granite_moe_hybrid,
+    "NemotronHForCausalLM": _nemotron_h,
+}
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Reads `config.json` from a Hugging Face model directory into a `ModelConfig`."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+    architectures = json.loads(path.read_text()).get("architectures") or []
+    if not architectures:
+        raise ValueError(f"{path}: 'architectures' is missing; supported: {', '.join(ARCHITECTURES)}")
+    architecture = architectures[0]
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}")
+    hf = AutoConfig.from_pretrained(str(model_dir))
+    return ARCHITECTURES[architecture](hf)

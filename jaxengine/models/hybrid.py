@@ -1,0 +1,102 @@
+"""The hybrid decoder stack, built from the layer table of a `ModelConfig`.
+
+One class serves every supported architecture: each layer is an optional mixer (attention
+or Mamba2) and an optional feed-forward (MLP or MoE), each a pre-norm residual branch scaled
+by `residual_multiplier`. The model knows nothing of scheduling: it takes a `StepBatch` and
+the pools and returns logits and the updated pools.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxengine.models.attention import Attention
+from jaxengine.models.batch import Pools, StepBatch, TokenLayout, token_layout
+from jaxengine.models.config import LayerSpec, ModelConfig
+from jaxengine.models.kernels import KernelOps, kernel_ops
+from jaxengine.models.layers import Mlp, Moe, RMSNorm, linear
+from jaxengine.models.mamba2 import Mamba2Mixer
+
+
+class DecoderLayer(nnx.Module):
+    """`x + r * mixer(norm(x))`, then `x + r * ffn(norm(x))`, each branch when present."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.spec = spec
+        norm = dict(eps=cfg.rms_norm_eps, dtype=dtype, weight_in_fp32=cfg.norm_weight_in_fp32)
+        if spec.mixer is not None:
+            self.mixer_norm = RMSNorm(cfg.hidden_size, **norm)
+        if spec.mixer == "attention":
+            self.attention = Attention(cfg.hidden_size, cfg.attention, dtype=dtype, rngs=rngs)
+        elif spec.mixer == "mamba":
+            self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        if spec.ffn is not None:
+            self.ffn_norm = RMSNorm(cfg.hidden_size, **norm)
+        if spec.ffn == "mlp":
+            self.mlp = Mlp(cfg.hidden_size, cfg.mlp, dtype=dtype, rngs=rngs)
+        elif spec.ffn == "moe":
+            self.moe = Moe(cfg.hidden_size, cfg.moe, dtype=dtype, rngs=rngs)
+
+
+class HybridLM(nnx.Module):
+    """A causal language model over the paged KV pool and the SSM state pool."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, kernels: str = "reference"):
+        self.cfg = cfg
+        self.kernels = kernels
+        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))  # [V, D]
+        self.layers = nnx.List([DecoderLayer(cfg, spec, dtype=dtype, rngs=rngs) for spec in cfg.layers])
+        self.final_norm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, weight_in_fp32=cfg.norm_weight_in_fp32
+        )
+        if not cfg.tie_word_embeddings:
+            self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self, pools: Pools, batch: StepBatch, *, decode: bool = False, all_logits: bool = False
+    ) -> tuple[jax.Array, Pools]:
+        """Runs one ragged step.
+
+        Returns float32 logits `[T, V]` for every token when `all_logits`, else `[S, V]` for
+        each sequence's last token this step, and the updated pools."""
+        cfg = self.cfg
+        ops: KernelOps = kernel_ops(self.kernels)
+        page_size = pools.k_pages[0].shape[1] if pools.k_pages else 1
+        layout: TokenLayout = token_layout(batch, page_size)
+        k_pages, v_pages = list(pools.k_pages), list(pools.v_pages)
+        conv_states, ssm_states = list(pools.conv_states), list(pools.ssm_states)
+
+        h = self.embed[...][batch.input_ids]
+        if cfg.embedding_multiplier != 1.0:
+            h = h * cfg.embedding_multiplier
+        attn_i = mamba_i = 0
+        for layer in self.layers:
+            if layer.spec.mixer == "attention":
+                out, k_pages[attn_i], v_pages[attn_i] = layer.attention(
+                    layer.mixer_norm(h), k_pages[attn_i], v_pages[attn_i], batch, layout, ops
+                )
+                attn_i += 1
+            elif layer.spec.mixer == "mamba":
+                out, conv_states[mamba_i], ssm_states[mamba_i] = layer.mamba(
+                    layer.mixer_norm(h), conv_states[mamba_i], ssm_states[mamba_i], batch, layout, ops, decode
+                )
+                mamba_i += 1
+            if layer.spec.mixer is not None:
+                h = h + out * cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else h + out
+            if layer.spec.ffn is not None:
+                ffn = layer.mlp if layer.spec.ffn == "mlp" else layer.moe
+                out = ffn(layer.ffn_norm(h))
+                h = h + out * cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else h + out
+
+        if not all_logits:
+            last = jnp.clip(batch.cu_q_lens[1:] - 1, 0, h.shape[0] - 1)  # [S]
+            h = h[last]
+        h = self.final_norm(h)
+        if cfg.tie_word_embeddings:
+            logits = jnp.einsum("td,vd->tv", h, self.embed[...], preferred_element_type=jnp.float32)
+        else:
+            logits = self.lm_head(h).astype(jnp.float32)
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
+        new_pools = Pools(tuple(k_pages), tuple(v_pages), tuple(conv_states), tuple(ssm_states))
+        return logits, new_pools

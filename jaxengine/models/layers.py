@@ -1,0 +1,143 @@
+"""Layers shared by every architecture: norms, rotary embeddings, MLPs and mixtures of experts."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxengine.models.config import MlpConfig, MoeConfig
+
+
+def linear(in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    """A dense layer whose kernel is `[in, out]` (Hugging Face stores `[out, in]`)."""
+    return nnx.Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    """RMS norm computed in float32. `weight_in_fp32` scales before casting back (Nemotron-H)
+    instead of after (Llama and most others)."""
+
+    def __init__(self, size: int, eps: float, *, dtype: jnp.dtype, weight_in_fp32: bool = False):
+        self.weight = nnx.Param(jnp.ones((size,), dtype))
+        self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight[...].astype(jnp.float32) * normed).astype(x.dtype)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """Mamba2's output norm: gate first (`y * silu(z)`), then RMS over each of `groups` groups."""
+
+    def __init__(self, size: int, groups: int, eps: float, *, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((size,), dtype))
+        self.groups = groups
+        self.eps = eps
+
+    def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:  # [T, I], [T, I] -> [T, I]
+        dtype = y.dtype
+        h = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        g = h.reshape(*h.shape[:-1], self.groups, -1)
+        g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * g.reshape(h.shape).astype(dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+    """Rotates the first `rotary_dim` channels of each head (rotate-half style).
+
+    x: [T, heads, head_dim]; positions: [T] int32."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq  # [T, rotary_dim / 2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos = jnp.cos(emb).astype(x.dtype)[:, None, :]
+    sin = jnp.sin(emb).astype(x.dtype)[:, None, :]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return jnp.concatenate([rot * cos + rotated * sin, rest], axis=-1)
+
+
+def activation(name: str, x: jax.Array) -> jax.Array:
+    """The MLP nonlinearities the supported models use."""
+    if name == "silu":
+        return jax.nn.silu(x)
+    if name == "relu2":
+        return jnp.square(jax.nn.relu(x))
+    raise ValueError(f"unsupported activation {name!r}; supported: silu, relu2")
+
+
+class Mlp(nnx.Module):
+    """Dense feed-forward: `down(act(gate(x)) * up(x))` when gated, else `down(act(up(x)))`."""
+
+    def __init__(self, hidden_size: int, cfg: MlpConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        if cfg.gated:
+            self.gate_proj = linear(hidden_size, cfg.intermediate_size, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        self.up_proj = linear(hidden_size, cfg.intermediate_size, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        self.down_proj = linear(cfg.intermediate_size, hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
+        up = self.up_proj(x)
+        if self.cfg.gated:
+            h = activation(self.cfg.activation, self.gate_proj(x)) * up
+        else:
+            h = activation(self.cfg.activation, up)
+        return self.down_proj(h)
+
+
+class Moe(nnx.Module):
+    """Routed experts plus a shared expert, evaluated densely over all experts.
+
+    Every expert runs on every token and a `[T, E]` combine matrix (zero for experts not
+    chosen) mixes them: simple and exact; a grouped-matmul kernel can replace it later."""
+
+    def __init__(self, hidden_size: int, cfg: MoeConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        e, inner = cfg.num_experts, cfg.expert.intermediate_size
+        up_width = 2 * inner if cfg.expert.gated else inner
+        router_dtype = jnp.float32 if cfg.router == "sigmoid_grouped" else dtype
+        self.router = nnx.Param(jnp.zeros((hidden_size, e), router_dtype))  # [D, E]
+        if cfg.router == "sigmoid_grouped":
+            self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32))  # selection-only correction
+        self.experts_up = nnx.Param(jnp.zeros((e, hidden_size, up_width), dtype))  # gate | up when gated
+        self.experts_down = nnx.Param(jnp.zeros((e, inner, hidden_size), dtype))
+        self.shared = Mlp(hidden_size, cfg.shared, dtype=dtype, rngs=rngs)
+
+    def _combine_weights(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, E] float32
+        cfg = self.cfg
+        logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+        if cfg.router == "softmax_topk":
+            top_vals, top_idx = jax.lax.top_k(logits, cfg.top_k)
+            weights = jax.nn.softmax(top_vals, axis=-1)
+        else:
+            scores = jax.nn.sigmoid(logits)
+            choice = scores + self.router_bias[...]
+            num_tokens, e = choice.shape
+            grouped = choice.reshape(num_tokens, cfg.n_group, e // cfg.n_group)
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, n_group]
+            _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+            group_mask = jnp.zeros_like(group_scores, dtype=bool).at[jnp.arange(num_tokens)[:, None], top_groups].set(True)
+            expert_mask = jnp.repeat(group_mask, e // cfg.n_group, axis=-1)
+            _, top_idx = jax.lax.top_k(jnp.where(expert_mask, choice, -jnp.inf), cfg.top_k)
+            weights = jnp.take_along_axis(scores, top_idx, axis=-1)
+            if cfg.norm_topk_prob:
+                weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+            weights = weights * cfg.routed_scaling_factor
+        weights = weights.astype(x.dtype).astype(jnp.float32)
+        rows = jnp.arange(x.shape[0])[:, None]
+        return jnp.zeros(logits.shape, jnp.float32).at[rows, top_idx].add(weights)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
+        combine = self._combine_weights(x)
+        up = jnp.einsum("td,edf->tef", x, self.experts_up[...])
+        if self.cfg.expert.gated:
+            gate, up = jnp.split(up, 2, axis=-1)
+            h = activation(self.cfg.expert.activation, gate) * up
+        else:
+            h = activation(self.cfg.expert.activation, up)
+        out = jnp.einsum("tef,efd->ted", h, self.experts_down[...], preferred_element_type=jnp.float32)
+        routed = jnp.einsum("ted,te->td", out, combine).astype(x.dtype)
+        return routed + self.shared(x)

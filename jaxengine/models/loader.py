@@ -1,0 +1,309 @@
+"""Hugging Face checkpoint -> model parameters, and the Orbax store of converted parameters.
+
+Each architecture names its tensors differently; a table of rules per architecture maps a
+Hugging Face tensor name onto a parameter path of `HybridLM` and says how to convert it
+(transpose a linear weight, squeeze a conv weight, stack per-expert tensors, split a fused
+gate|up projection). Every parameter must be filled exactly once with the expected shape;
+anything else is an error naming the tensor.
+"""
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from safetensors import safe_open
+
+from jaxengine.models.config import ModelConfig, load_model_config
+from jaxengine.models.hybrid import HybridLM
+
+CONVERTED_PARAMS_DIR = "jaxengine_params"  # the Orbax checkpoint inside a converted model directory
+
+Path_ = tuple[str | int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Maps the tensors whose names match `pattern` onto parameter paths.
+
+    `targets(match, cfg)` gives the parameter path (or paths, for a split); `kind` says how
+    the Hugging Face tensor is laid out relative to ours:
+      copy        same layout
+      linear      [out, in] -> [in, out]
+      conv        [C, 1, K] -> [C, K]
+      experts     [E, out, in] -> [E, in, out]
+      expert      one expert's [out, in] -> row `expert` of a stacked [E, in, out]
+      split       fused [2 * n, in] -> two [in, n] halves (gate, up)
+    """
+
+    pattern: str
+    targets: Callable[[re.Match, ModelConfig], list[Path_]]
+    kind: str = "copy"
+
+
+def _layer(path: str) -> Callable[[re.Match, ModelConfig], list[Path_]]:
+    """Target `layers/<N>/<path>`, with `{sub}` filled from the match and `{ffn}` the layer's
+    feed-forward module ("mlp" or "moe")."""
+
+    def targets(m: re.Match, cfg: ModelConfig) -> list[Path_]:
+        i = int(m.group("layer"))
+        spec = cfg.layers[i] if i < len(cfg.layers) else None
+        ffn = spec.ffn if spec else "mlp"
+        filled = path.format(ffn=ffn, shared="shared" if ffn == "moe" else "", **m.groupdict())
+        return [("layers", i, *(p for p in filled.split("/") if p))]
+
+    return targets
+
+
+def _top(*path: str) -> Callable[[re.Match, ModelConfig], list[Path_]]:
+    return lambda m, cfg: [tuple(path)]
+
+
+def _split(*paths: str) -> Callable[[re.Match, ModelConfig], list[Path_]]:
+    return lambda m, cfg: [t for p in paths for t in _layer(p)(m, cfg)]
+
+
+_L = r"(?:model|backbone)\.layers\.(?P<layer>\d+)\."
+_MAMBA = [
+    Rule(_L + r"(?:mamba|mixer)\.in_proj\.weight$", _layer("mamba/in_proj/kernel"), "linear"),
+    Rule(_L + r"(?:mamba|mixer)\.in_proj\.bias$", _layer("mamba/in_proj/bias")),
+    Rule(_L + r"(?:mamba|mixer)\.out_proj\.weight$", _layer("mamba/out_proj/kernel"), "linear"),
+    Rule(_L + r"(?:mamba|mixer)\.out_proj\.bias$", _layer("mamba/out_proj/bias")),
+    Rule(_L + r"(?:mamba|mixer)\.conv1d\.weight$", _layer("mamba/conv_weight"), "conv"),
+    Rule(_L + r"(?:mamba|mixer)\.conv1d\.bias$", _layer("mamba/conv_bias")),
+    Rule(_L + r"(?:mamba|mixer)\.(?P<p>dt_bias|A_log|D)$", _layer("mamba/{p}")),
+    Rule(_L + r"(?:mamba|mixer)\.norm\.weight$", _layer("mamba/norm/weight")),
+]
+
+
+def _attn(prefix: str) -> list[Rule]:
+    return [
+        Rule(_L + prefix + r"\.(?P<sub>[qkvo]_proj)\.weight$", _layer("attention/{sub}/kernel"), "linear"),
+        Rule(_L + prefix + r"\.(?P<sub>[qkvo]_proj)\.bias$", _layer("attention/{sub}/bias")),
+    ]
+
+
+def _mlp(prefix: str) -> list[Rule]:
+    return [
+        Rule(_L + prefix + r"\.(?P<sub>gate_proj|up_proj|down_proj)\.weight$", _layer("mlp/{sub}/kernel"), "linear"),
+        Rule(_L + prefix + r"\.(?P<sub>gate_proj|up_proj|down_proj)\.bias$", _layer("mlp/{sub}/bias")),
+    ]
+
+
+def _norms(mixer_norm: str, ffn_norm: str) -> list[Rule]:
+    return [
+        Rule(_L + mixer_norm + r"\.weight$", _layer("mixer_norm/weight")),
+        Rule(_L + ffn_norm + r"\.weight$", _layer("ffn_norm/weight")),
+    ]
+
+
+def _embed_and_head(embed: str, final_norm: str) -> list[Rule]:
+    return [
+        Rule(embed + r"$", _top("embed")),
+        Rule(final_norm + r"$", _top("final_norm", "weight")),
+        Rule(r"lm_head\.weight$", _top("lm_head", "kernel"), "linear"),
+    ]
+
+
+def _nemotron_norm(m: re.Match, cfg: ModelConfig) -> list[Path_]:
+    i = int(m.group("layer"))
+    spec = cfg.layers[i] if i < len(cfg.layers) else None
+    return [("layers", i, "mixer_norm" if spec is None or spec.mixer else "ffn_norm", "weight")]
+
+
+RULES: dict[str, list[Rule]] = {
+    "LlamaForCausalLM": [
+        *_embed_and_head(r"model\.embed_tokens\.weight", r"model\.norm\.weight"),
+        *_norms("input_layernorm", "post_attention_layernorm"),
+        *_attn("self_attn"),
+        *_mlp("mlp"),
+    ],
+    "Mamba2ForCausalLM": [
+        *_embed_and_head(r"backbone\.embeddings?\.weight", r"backbone\.norm_f\.weight"),
+        Rule(_L + r"norm\.weight$", _layer("mixer_norm/weight")),
+        *_MAMBA,
+    ],
+    "BambaForCausalLM": [
+        *_embed_and_head(r"model\.embed_tokens\.weight", r"model\.final_layernorm\.weight"),
+        *_norms("input_layernorm", "pre_ff_layernorm"),
+        *_attn("self_attn"),
+        *_MAMBA,
+        *_mlp("feed_forward"),
+    ],
+    "GraniteMoeHybridForCausalLM": [
+        *_embed_and_head(r"model\.embed_tokens\.weight", r"model\.norm\.weight"),
+        *_norms("input_layernorm", "post_attention_layernorm"),
+        *_attn("self_attn"),
+        *_MAMBA,
+        Rule(_L + r"block_sparse_moe\.router\.(?:layer\.)?weight$", _layer("moe/router"), "linear"),
+        Rule(_L + r"block_sparse_moe\.(?:input_linear\.weight|experts\.gate_up_proj)$", _layer("moe/experts_up"), "experts"),
+        Rule(_L + r"block_sparse_moe\.(?:output_linear\.weight|experts\.down_proj)$", _layer("moe/experts_down"), "experts"),
+        Rule(_L + r"shared_mlp\.input_linear\.weight$", _split("{ffn}/{shared}/gate_proj/kernel", "{ffn}/{shared}/up_proj/kernel"), "split"),
+        Rule(_L + r"shared_mlp\.output_linear\.weight$", _layer("{ffn}/{shared}/down_proj/kernel"), "linear"),
+    ],
+    "NemotronHForCausalLM": [
+        *_embed_and_head(r"(?:backbone|model)\.embeddings\.weight", r"(?:backbone|model)\.norm_f\.weight"),
+        Rule(_L + r"norm\.weight$", _nemotron_norm),
+        *_MAMBA,
+        Rule(_L + r"mixer\.(?P<sub>[qkvo]_proj)\.weight$", _layer("attention/{sub}/kernel"), "linear"),
+        Rule(_L + r"mixer\.(?P<sub>up_proj|down_proj)\.weight$", _layer("mlp/{sub}/kernel"), "linear"),
+        Rule(_L + r"mixer\.gate\.weight$", _layer("moe/router"), "linear"),
+        Rule(_L + r"mixer\.gate\.e_score_correction_bias$", _layer("moe/router_bias")),
+        Rule(_L + r"mixer\.experts\.(?P<expert>\d+)\.up_proj\.weight$", _layer("moe/experts_up"), "expert"),
+        Rule(_L + r"mixer\.experts\.(?P<expert>\d+)\.down_proj\.weight$", _layer("moe/experts_down"), "expert"),
+        Rule(_L + r"mixer\.experts\.up_proj$", _layer("moe/experts_up"), "experts"),
+        Rule(_L + r"mixer\.experts\.down_proj$", _layer("moe/experts_down"), "experts"),
+        Rule(_L + r"mixer\.shared_experts\.(?P<sub>up_proj|down_proj)\.weight$", _layer("moe/shared/{sub}/kernel"), "linear"),
+    ],
+}
+
+# Tensors a checkpoint may carry that inference does not use.
+IGNORED = re.compile(r"(rotary_emb\.inv_freq|^mtp\.)")
+
+
+def _hf_shape(kind: str, ours: tuple[int, ...]) -> tuple[int, ...]:
+    """The Hugging Face shape that converts into a parameter of shape `ours`."""
+    if kind == "linear":
+        return ours[::-1]
+    if kind == "conv":
+        return (ours[0], 1, ours[1])
+    if kind == "experts":
+        return (ours[0], ours[2], ours[1])
+    if kind == "expert":
+        return (ours[2], ours[1])
+    if kind == "split":
+        return (2 * ours[1], ours[0])
+    return ours
+
+
+def _convert(kind: str, tensor: np.ndarray) -> list[np.ndarray]:
+    if kind in ("linear", "expert"):
+        return [tensor.T]
+    if kind == "conv":
+        return [tensor[:, 0, :]]
+    if kind == "experts":
+        return [np.swapaxes(tensor, 1, 2)]
+    if kind == "split":
+        gate, up = np.split(tensor, 2, axis=0)
+        return [gate.T, up.T]
+    return [tensor]
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
+    """All tensors of a single-file or sharded safetensors checkpoint, as numpy arrays."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+    tensors = {}
+    for name in files:
+        with safe_open(model_dir / name, framework="flax") as f:
+            for key in f.keys():
+                tensors[key] = np.asarray(f.get_tensor(key))
+    return tensors
+
+
+def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, kernels: str = "reference") -> HybridLM:
+    """The model's structure with shapes and dtypes but no values."""
+    return nnx.eval_shape(lambda: HybridLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), kernels=kernels))
+
+
+def params_from_hf(model_dir: Path, cfg: ModelConfig, abstract_state: nnx.State) -> dict:
+    """Reads and converts a Hugging Face checkpoint into a pure dict shaped like the model state."""
+    expected = {path: leaf for path, leaf in _flat(abstract_state.to_pure_dict())}
+    rules = RULES[cfg.architecture]
+    filled: dict[Path_, np.ndarray] = {}
+    experts: dict[Path_, dict[int, np.ndarray]] = {}
+    for name, tensor in _read_safetensors(model_dir).items():
+        rule, match = next(((r, m) for r in rules if (m := re.search(r.pattern, name))), (None, None))
+        if rule is None:
+            if IGNORED.search(name):
+                continue
+            raise ValueError(f"{model_dir}: unexpected tensor {name!r} with shape {tuple(tensor.shape)}")
+        targets = rule.targets(match, cfg)
+        if targets == [("lm_head", "kernel")] and cfg.tie_word_embeddings:
+            continue  # tied: the embedding serves as the output projection
+        for path in targets:
+            if path not in expected:
+                raise ValueError(f"{model_dir}: unexpected tensor {name!r} (no parameter {'/'.join(map(str, path))})")
+        want = _hf_shape(rule.kind, tuple(expected[targets[0]].shape))
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}")
+        for path, value in zip(targets, _convert(rule.kind, tensor)):
+            if rule.kind == "expert":
+                experts.setdefault(path, {})[int(match.group("expert"))] = value
+            else:
+                filled[path] = value
+    for path, parts in experts.items():
+        num = expected[path].shape[0]
+        if sorted(parts) != list(range(num)):
+            missing = sorted(set(range(num)) - set(parts))
+            raise ValueError(f"{model_dir}: missing experts {missing} for parameter {'/'.join(map(str, path))}")
+        filled[path] = np.stack([parts[e] for e in range(num)])
+    missing = [p for p in expected if p not in filled]
+    if missing:
+        names = ", ".join("/".join(map(str, p)) for p in missing[:8])
+        raise ValueError(f"{model_dir}: missing tensors for parameters {names}" + (" ..." if len(missing) > 8 else ""))
+    return _unflat({p: jnp.asarray(v, dtype=expected[p].dtype) for p, v in filled.items()})
+
+
+def _flat(tree: dict, prefix: Path_ = ()) -> list[tuple[Path_, object]]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.extend(_flat(value, (*prefix, key)))
+        else:
+            out.append(((*prefix, key), value))
+    return out
+
+
+def _unflat(flat: dict[Path_, object]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def load_model(
+    model_dir: str | Path, dtype: str = "float32", kernels: str = "reference"
+) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+    """Loads a model directory (Hugging Face, or converted by `jaxengine convert`).
+
+    Returns the config, the graph definition and the parameter state, ready for `nnx.merge`."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"unsupported dtype={dtype!r}; supported: float32, bfloat16")
+    model_dir = Path(model_dir)
+    cfg = load_model_config(model_dir)
+    graphdef, state = nnx.split(abstract_model(cfg, jnp.dtype(dtype), kernels))
+    converted = model_dir / CONVERTED_PARAMS_DIR
+    if converted.is_dir():
+        params = restore_params(converted, state)
+    else:
+        params = params_from_hf(model_dir, cfg, state)
+    state.replace_by_pure_dict(params)
+    return cfg, graphdef, state
+
+
+def save_params(state: nnx.State, out_dir: Path) -> None:
+    """Stores parameters with Orbax under `out_dir/jaxengine_params`."""
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save((Path(out_dir) / CONVERTED_PARAMS_DIR).absolute(), state.to_pure_dict())
+
+
+def restore_params(path: Path, abstract_state: nnx.State) -> dict:
+    """Restores parameters stored by `save_params`, with the abstract state's shapes and dtypes."""
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state.to_pure_dict())
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(path.absolute(), target)

@@ -1,0 +1,56 @@
+"""Pure-jnp reference for Mamba2's depthwise causal conv1d with state.
+
+A sequence's conv state holds its last K raw input columns (`[D, K]`, oldest first), the
+convention of Hugging Face's Mamba2 cache. The output at a token is
+`bias + sum_k weight[:, k] * column(token - (K - 1 - k))`, where columns before the
+sequence's first token this step come from its conv state. No activation is applied.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged import token_segments
+
+
+def ragged_causal_conv1d(
+    x: jax.Array,  # [T, D] raw inputs
+    weight: jax.Array,  # [D, K]
+    bias: jax.Array | None,  # [D]
+    conv_states: jax.Array,  # [S, D, K] last K columns before this step
+    cu_seqlens: jax.Array,  # [S + 1] int32
+) -> tuple[jax.Array, jax.Array]:  # out [T, D] (zero for padding), new states [S, D, K]
+    """Convolves every sequence of a ragged batch, continuing from its conv state."""
+    num_tokens, _ = x.shape
+    kernel = weight.shape[1]
+    seq, local, valid = token_segments(cu_seqlens, num_tokens)
+    seq_len = cu_seqlens[1:] - cu_seqlens[:-1]
+
+    def column(seq_idx: jax.Array, rel: jax.Array) -> jax.Array:
+        """Input column `rel` of each sequence (negative: from its conv state). -> [..., D]"""
+        from_x = x[jnp.clip(cu_seqlens[seq_idx] + rel, 0, num_tokens - 1)]
+        from_state = conv_states[seq_idx, :, jnp.clip(kernel + rel, 0, kernel - 1)]
+        return jnp.where((rel >= 0)[..., None], from_x, from_state)
+
+    out = jnp.zeros(x.shape, jnp.float32) if bias is None else jnp.broadcast_to(bias.astype(jnp.float32), x.shape)
+    for k in range(kernel):
+        out = out + weight[:, k].astype(jnp.float32) * column(seq, local - (kernel - 1 - k)).astype(jnp.float32)
+    out = jnp.where(valid[:, None], out, 0.0).astype(x.dtype)
+
+    seqs = jnp.arange(conv_states.shape[0])
+    new_cols = [column(seqs, seq_len - kernel + c) for c in range(kernel)]  # each [S, D]
+    new_states = jnp.stack(new_cols, axis=-1).astype(conv_states.dtype)
+    return out, new_states
+
+
+def causal_conv1d_update(
+    x: jax.Array,  # [S, D] one new column per sequence
+    weight: jax.Array,  # [D, K]
+    bias: jax.Array | None,  # [D]
+    conv_state: jax.Array,  # [S, D, K]
+) -> tuple[jax.Array, jax.Array]:  # out [S, D], new state [S, D, K]
+    """Advances each sequence's conv by one token (the decode step)."""
+    window = jnp.concatenate([conv_state[:, :, 1:], x[:, :, None].astype(conv_state.dtype)], axis=-1)
+    out = jnp.einsum("sdk,dk->sd", window.astype(jnp.float32), weight.astype(jnp.float32))
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    return out.astype(x.dtype), window

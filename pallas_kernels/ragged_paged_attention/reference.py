@@ -1,0 +1,101 @@
+"""Pure-jnp reference for ragged paged attention.
+
+Layout (shared with the Pallas kernels that will match this signature):
+  * the queries of every sequence in the step lie on one flat token axis, sequence `s`
+    owning tokens `cu_q_lens[s]:cu_q_lens[s + 1]`; tokens past `cu_q_lens[-1]` are padding;
+  * keys and values live in pages `[num_pages, page_size, kv_heads, head_dim]`; sequence `s`
+    owns pages `page_indices[s, :]`, and its context is `kv_lens[s]` tokens long, this step's
+    tokens included (they are the last ones), so a query's absolute position is
+    `kv_lens[s] - (cu_q_lens[s + 1] - t)`;
+  * attention is causal on absolute positions, with an optional sliding window and logit
+    soft-cap; query heads are grouped over KV heads (GQA).
+Page 0 is a null sink: padding writes there and nothing valid reads it.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged import token_segments
+
+
+def validate_inputs(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    v_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    kv_lens: jax.Array,  # [S] int32
+    page_indices: jax.Array,  # [S, pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+) -> None:
+    """Checks shapes and dtypes statically; raises ValueError naming the argument."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [tokens, q_heads, head_dim], got shape {q.shape}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages and v_pages must be equal [pages, page_size, kv_heads, head_dim], got {k_pages.shape} and {v_pages.shape}")
+    if k_pages.shape[3] != q.shape[2]:
+        raise ValueError(f"head_dim of q ({q.shape[2]}) and k_pages ({k_pages.shape[3]}) differ")
+    if q.shape[1] % k_pages.shape[2]:
+        raise ValueError(f"q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k_pages.shape[2]})")
+    num_seqs = kv_lens.shape[0]
+    if page_indices.ndim != 2 or page_indices.shape[0] != num_seqs:
+        raise ValueError(f"page_indices must be [{num_seqs}, pages_per_seq], got {page_indices.shape}")
+    if cu_q_lens.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_q_lens must be [{num_seqs + 1}], got {cu_q_lens.shape}")
+    for name, arr in (("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens)):
+        if not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got {arr.dtype}")
+
+
+def write_kv_pages(
+    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    v_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    slot_mapping: jax.Array,  # [T] int32: page * page_size + offset; padding -> 0 (null page)
+) -> tuple[jax.Array, jax.Array]:
+    """Scatters this step's keys and values into their pages."""
+    num_pages, page_size, kv_heads, head_dim = k_pages.shape
+    flat_shape = (num_pages * page_size, kv_heads, head_dim)
+    k_pages = k_pages.reshape(flat_shape).at[slot_mapping].set(k.astype(k_pages.dtype)).reshape(k_pages.shape)
+    v_pages = v_pages.reshape(flat_shape).at[slot_mapping].set(v.astype(v_pages.dtype)).reshape(v_pages.shape)
+    return k_pages, v_pages
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    k_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    v_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
+    kv_lens: jax.Array,  # [S] int32: context length, this step's tokens included
+    page_indices: jax.Array,  # [S, pages_per_seq] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [T, Hq, D]; zero for padding tokens
+    """Attends each query token to the cached context of its own sequence."""
+    validate_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
+    num_tokens, q_heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    group = q_heads // kv_heads
+    seq, _, valid = token_segments(cu_q_lens, num_tokens)
+    q_pos = kv_lens[seq] - (cu_q_lens[seq + 1] - jnp.arange(num_tokens))  # [T]
+
+    # Each token gathers its sequence's pages: [T, pages_per_seq * page_size, Hkv, D].
+    ctx = page_indices.shape[1] * page_size
+    k = k_pages[page_indices[seq]].reshape(num_tokens, ctx, kv_heads, head_dim)
+    v = v_pages[page_indices[seq]].reshape(num_tokens, ctx, kv_heads, head_dim)
+
+    qg = q.reshape(num_tokens, kv_heads, group, head_dim)
+    scores = jnp.einsum("tkgd,tjkd->tkgj", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    j = jnp.arange(ctx)
+    mask = j[None, :] <= q_pos[:, None]  # [T, ctx]
+    if sliding_window is not None:
+        mask &= j[None, :] > q_pos[:, None] - sliding_window
+    mask &= valid[:, None]
+    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask[:, None, None, :], probs, 0.0)  # padding rows are all -inf
+    out = jnp.einsum("tkgj,tjkd->tkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(num_tokens, q_heads, head_dim).astype(q.dtype)

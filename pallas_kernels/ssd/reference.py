@@ -1,0 +1,171 @@
+"""Pure-jnp reference for the Mamba2 SSD scan over a ragged batch.
+
+The recurrence, per head h (state [P, N]):
+    state_t = exp(dt_t * A_h) * state_{t-1} + dt_t * x_t B_t^T
+    y_t     = state_t C_t
+Inputs are already discretised upstream except for the `exp(dt * A)` decay: `dt` is the
+positive step size (softplus and clamping done by the caller; zero for padding), and the
+D skip connection and the gate are the caller's too.
+
+Chunks are aligned to *absolute* positions: a sequence whose first token this step sits at
+position p starts in chunk `p // chunk_size` with a short first chunk, so the states at
+chunk boundaries (returned in `chunk_states`) are the states after absolute positions that
+are multiples of `chunk_size`, whichever step computed them. Chunks never cross sequences.
+
+Implementation: every (sequence, absolute chunk) pair that has tokens gets a row of a
+`[R, chunk_size]` grid, each token placed at column `position % chunk_size`; empty cells have
+dt = 0, which neither decays nor feeds the state. The quadratic intra-chunk form runs on
+every row at once, then a scan over rows carries states, restarting at each sequence's
+first row from its initial state.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged import token_segments
+
+
+class RaggedScanOutput(NamedTuple):
+    """What the ragged scan returns."""
+
+    y: jax.Array  # [T, H, P] float32; zero for padding tokens
+    final_states: jax.Array  # [S, H, P, N] float32; the initial state for empty sequences
+    chunk_states: jax.Array  # [R, H, P, N] float32: state after the last token of each row
+    chunk_seq: jax.Array  # [R] int32: the row's sequence; S for unused rows
+    chunk_end: jax.Array  # [R] int32: absolute position the row's state is at (exclusive end)
+
+
+def num_scan_rows(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
+    """Static bound on the rows of the chunk grid: each sequence of L tokens spans at most
+    ceil(L / chunk_size) + 1 chunks, and every row holds at least one token."""
+    return min(num_tokens, num_tokens // chunk_size + 2 * num_seqs)
+
+
+def _segsum(a: jax.Array) -> jax.Array:
+    """[..., L] -> [..., L, L] with out[..., i, j] = sum(a[..., j+1 : i+1]) for i >= j, else -inf.
+
+    Built from masked cumulative sums rather than differences of one cumsum, which keeps
+    precision when the decay over a chunk is large."""
+    size = a.shape[-1]
+    expanded = jnp.broadcast_to(a[..., :, None], (*a.shape, size))  # [..., k, j] = a[k]
+    strictly_lower = jnp.tril(jnp.ones((size, size), dtype=bool), k=-1)
+    sums = jnp.cumsum(jnp.where(strictly_lower, expanded, 0.0), axis=-2)
+    lower = jnp.tril(jnp.ones((size, size), dtype=bool))
+    return jnp.where(lower, sums, -jnp.inf)
+
+
+def _heads(t: jax.Array, num_heads: int) -> jax.Array:
+    """[..., G, N] -> [..., H, N]: head h reads group h // (H / G)."""
+    return jnp.repeat(t, num_heads // t.shape[-2], axis=-2)
+
+
+def ragged_ssd_scan(
+    x: jax.Array,  # [T, H, P]
+    dt: jax.Array,  # [T, H] positive step sizes
+    A: jax.Array,  # [H] negative
+    B: jax.Array,  # [T, G, N]
+    C: jax.Array,  # [T, G, N]
+    init_states: jax.Array,  # [S, H, P, N]
+    cu_seqlens: jax.Array,  # [S + 1] int32
+    start_pos: jax.Array,  # [S] int32: absolute position of each sequence's first token
+    *,
+    chunk_size: int,
+) -> RaggedScanOutput:
+    """Runs the SSD recurrence over every sequence of a ragged batch."""
+    num_tokens, num_heads, head_dim = x.shape
+    num_seqs = init_states.shape[0]
+    state_size = B.shape[-1]
+    if x.shape[0] != dt.shape[0] or B.shape != C.shape or num_heads % B.shape[-2]:
+        raise ValueError(f"inconsistent shapes: x {x.shape}, dt {dt.shape}, B {B.shape}, C {C.shape}")
+    if init_states.shape[1:] != (num_heads, head_dim, state_size):
+        raise ValueError(f"init_states must be [S, {num_heads}, {head_dim}, {state_size}], got {init_states.shape}")
+    cs = chunk_size
+    num_rows = num_scan_rows(num_tokens, num_seqs, cs)
+
+    # Row of each (sequence, absolute chunk) pair.
+    seq_len = cu_seqlens[1:] - cu_seqlens[:-1]  # [S]
+    first_chunk = start_pos // cs
+    last_chunk = (start_pos + seq_len - 1) // cs
+    rows_per_seq = jnp.where(seq_len > 0, last_chunk - first_chunk + 1, 0)
+    cu_rows = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(rows_per_seq).astype(jnp.int32)])
+
+    seq, local, valid = token_segments(cu_seqlens, num_tokens)
+    pos = start_pos[seq] + local  # [T] absolute positions
+    row = jnp.where(valid, cu_rows[seq] + pos // cs - first_chunk[seq], num_rows)  # out of range: dropped
+    col = pos % cs
+
+    f32 = jnp.float32
+    dt = jnp.where(valid[:, None], dt.astype(f32), 0.0)
+    xdt = x.astype(f32) * dt[..., None]
+
+    def grid(values: jax.Array) -> jax.Array:
+        """[T, ...] -> [R, cs, ...], padding cells zero."""
+        out = jnp.zeros((num_rows, cs, *values.shape[1:]), values.dtype)
+        return out.at[row, col].set(values, mode="drop")
+
+    xg = grid(xdt)  # [R, cs, H, P]
+    adt = jnp.moveaxis(grid(dt * A.astype(f32)), 1, 2)  # [R, H, cs]
+    Bg = _heads(grid(B.astype(f32)), num_heads)  # [R, cs, H, N]
+    Cg = _heads(grid(C.astype(f32)), num_heads)
+
+    a_cum = jnp.cumsum(adt, axis=-1)  # [R, H, cs]
+    # 1. Within each row, the quadratic ("attention-like") form.
+    decay = jnp.exp(_segsum(adt))  # [R, H, cs(l), cs(s)]
+    scores = jnp.einsum("rlhn,rshn->rhls", Cg, Bg) * decay
+    y_diag = jnp.einsum("rhls,rshp->rlhp", scores, xg)
+    # 2. Each row's contribution to the state at its end, from a zero start.
+    to_end = jnp.exp(a_cum[..., -1:] - a_cum)  # [R, H, cs]
+    row_states = jnp.einsum("rlhn,rhl,rlhp->rhpn", Bg, to_end, xg)
+    row_decay = jnp.exp(a_cum[..., -1])  # [R, H]
+
+    # 3. Carry states across rows; a sequence's first row starts from its initial state.
+    row_seq = jnp.searchsorted(cu_rows, jnp.arange(num_rows), side="right").astype(jnp.int32) - 1
+    row_used = row_seq < num_seqs
+    row_seq = jnp.where(row_used, row_seq, num_seqs)
+    is_first = row_used & (jnp.arange(num_rows) == cu_rows[jnp.clip(row_seq, 0, num_seqs - 1)])
+    row_init = init_states.astype(f32)[jnp.clip(row_seq, 0, num_seqs - 1)]
+
+    def carry(prev, inputs):
+        first, init, dec, contrib = inputs
+        start = jnp.where(first, init, prev)
+        return dec[:, None, None] * start + contrib, (start, dec[:, None, None] * start + contrib)
+
+    zero = jnp.zeros((num_heads, head_dim, state_size), f32)
+    _, (start_states, end_states) = jax.lax.scan(carry, zero, (is_first, row_init, row_decay, row_states))
+
+    # 4. Contribution of each row's starting state to its outputs.
+    y_off = jnp.einsum("rlhn,rhpn,rhl->rlhp", Cg, start_states, jnp.exp(a_cum))
+    y_grid = y_diag + y_off
+    y = jnp.where(valid[:, None, None], y_grid[jnp.clip(row, 0, num_rows - 1), col], 0.0)
+
+    last_row = jnp.clip(cu_rows[1:] - 1, 0, num_rows - 1)
+    final_states = jnp.where((seq_len > 0)[:, None, None, None], end_states[last_row], init_states.astype(f32))
+
+    chunk_of_row = first_chunk[jnp.clip(row_seq, 0, num_seqs - 1)] + jnp.arange(num_rows) - cu_rows[jnp.clip(row_seq, 0, num_seqs - 1)]
+    seq_end = (start_pos + seq_len)[jnp.clip(row_seq, 0, num_seqs - 1)]
+    chunk_end = jnp.where(row_used, jnp.minimum((chunk_of_row + 1) * cs, seq_end), 0).astype(jnp.int32)
+    return RaggedScanOutput(y, final_states, end_states, row_seq, chunk_end)
+
+
+def ssd_state_update(
+    state: jax.Array,  # [S, H, P, N]
+    x: jax.Array,  # [S, H, P]
+    dt: jax.Array,  # [S, H] positive step sizes
+    A: jax.Array,  # [H] negative
+    B: jax.Array,  # [S, G, N]
+    C: jax.Array,  # [S, G, N]
+) -> tuple[jax.Array, jax.Array]:  # y [S, H, P] float32, new state [S, H, P, N] float32
+    """Advances each sequence's state by one token (the decode step)."""
+    f32 = jnp.float32
+    num_heads = x.shape[1]
+    dt = dt.astype(f32)
+    Bh = _heads(B.astype(f32), num_heads)  # [S, H, N]
+    Ch = _heads(C.astype(f32), num_heads)
+    decay = jnp.exp(dt * A.astype(f32))  # [S, H]
+    new_state = decay[..., None, None] * state.astype(f32) + jnp.einsum(
+        "sh,shp,shn->shpn", dt, x.astype(f32), Bh
+    )
+    y = jnp.einsum("shpn,shn->shp", new_state, Ch)
+    return y, new_state
