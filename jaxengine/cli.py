@@ -1,4 +1,4 @@
-"""Command line: `jaxengine generate` and `jaxengine convert`."""
+"""Command line: `jaxengine run`, `jaxengine generate` and `jaxengine convert`."""
 
 import argparse
 import shutil
@@ -6,17 +6,30 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
+from jaxengine.run_config import DEFAULT_MODEL
+
 # Files copied beside the converted parameters so the output directory is a complete model.
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _run(args: argparse.Namespace) -> None:
+    from jaxengine.batch_run import run_batch
+    from jaxengine.run_config import load_run_config
+
+    cfg = load_run_config(args.config)
+    metrics = run_batch(cfg)
+    print(
+        f"{metrics['requests']} requests, {metrics['output_tokens']} output tokens in {metrics['wall_time_s']:.1f}s "
+        f"({metrics['output_tokens_per_s']:.1f} tok/s); outputs: {cfg.output}; metrics: {cfg.metrics}"
+    )
 
 
 def _generate(args: argparse.Namespace) -> None:
     from jaxengine import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype)
+    llm = LLM(model=args.model, dtype=args.dtype, warm_up=False)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    for prompt, out in zip(args.prompts, llm.generate(args.prompts, params)):
+    for prompt, out in zip(args.prompts, llm.generate(args.prompts, params, use_tqdm=False)):
         print(f"--- {prompt!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
         print(prompt + out.text)
 
@@ -39,6 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the `jaxengine` command."""
     parser = argparse.ArgumentParser(prog="jaxengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a batch job described by a YAML config")
+    run.add_argument("config", help="YAML config (see configs/default.yaml)")
+    run.set_defaults(func=_run)
 
     gen = sub.add_parser("generate", help="generate completions for prompts")
     gen.add_argument("prompts", nargs="+", help="text prompts")

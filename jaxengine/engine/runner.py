@@ -1,6 +1,8 @@
 """The model runner: owns the parameters and the donated pools and runs jitted steps."""
 
 import functools
+from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxengine.engine.pools import allocate_pools
+from jaxengine.engine.sampler import SampleOutput, SamplingBatch, sample_tokens
 from jaxengine.models.batch import Pools, StepBatch
 from jaxengine.models.config import ModelConfig
 
@@ -20,6 +23,35 @@ def model_step(
     """One pure forward step: merges the model inside, returns logits and the new pools."""
     model = nnx.merge(graphdef, params)
     return model(pools, batch, decode=decode, all_logits=all_logits)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "decode", "num_logprobs"), donate_argnames=("pools",))
+def sample_step(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    pools: Pools,
+    batch: StepBatch,
+    sampling: SamplingBatch,
+    *,
+    decode: bool,
+    num_logprobs: int,
+) -> tuple[SampleOutput, Pools]:
+    """One engine step: forward, then sample each sequence's next token on device."""
+    model = nnx.merge(graphdef, params)
+    logits, pools = model(pools, batch, decode=decode, all_logits=False)
+    return sample_tokens(logits, sampling, num_logprobs), pools
+
+
+def enable_compilation_cache(directory: str | Path) -> None:
+    """Turns on JAX's persistent compilation cache so a second start skips compiling."""
+    jax.config.update("jax_compilation_cache_dir", str(Path(directory).expanduser()))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def num_compiled_steps() -> int:
+    """How many step executables have been compiled in this process (for recompile checks)."""
+    return sample_step._cache_size() + model_step._cache_size()
 
 
 class ModelRunner:
@@ -34,10 +66,12 @@ class ModelRunner:
         num_pages: int,
         page_size: int,
         num_slots: int,
+        num_logprobs: int = 20,
         mesh: Mesh | None = None,
     ):
         self.cfg = cfg
         self.page_size = page_size
+        self.num_logprobs = num_logprobs
         self.mesh = mesh or Mesh(np.array(jax.devices()[:1]), ("model",))
         self.graphdef = graphdef
         self.params = jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
@@ -46,10 +80,33 @@ class ModelRunner:
             cfg, num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=dtype, mesh=self.mesh
         )
 
-    def step(self, batch: StepBatch, *, decode: bool = False, all_logits: bool = False) -> jax.Array:
-        """Runs one step, replacing the pools with the updated ones; returns float32 logits."""
-        batch = jax.tree.map(lambda x: jnp.asarray(x, jnp.int32), batch)
+    @staticmethod
+    def _device(tree):
+        return jax.tree.map(jnp.asarray, tree)
+
+    def logits(self, batch: StepBatch, *, decode: bool = False, all_logits: bool = False) -> jax.Array:
+        """Runs one step and returns float32 logits (every token's when `all_logits`)."""
         logits, self.pools = model_step(
-            self.graphdef, self.params, self.pools, batch, decode=decode, all_logits=all_logits
+            self.graphdef, self.params, self.pools, self._device(batch), decode=decode, all_logits=all_logits
         )
         return logits
+
+    def sample(self, batch: StepBatch, sampling: SamplingBatch, *, decode: bool) -> SampleOutput:
+        """Runs one step and samples each sequence's next token on device."""
+        out, self.pools = sample_step(
+            self.graphdef,
+            self.params,
+            self.pools,
+            self._device(batch),
+            self._device(sampling),
+            decode=decode,
+            num_logprobs=self.num_logprobs,
+        )
+        return out
+
+    def warm_up(self, batches: list[tuple[StepBatch, SamplingBatch, bool]], progress: Callable | None = None) -> None:
+        """Compiles the step for every given (all-padding) batch before real work starts."""
+        for batch, sampling, decode in batches:
+            jax.block_until_ready(self.sample(batch, sampling, decode=decode))
+            if progress is not None:
+                progress()

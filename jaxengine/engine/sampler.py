@@ -1,50 +1,91 @@
-"""Sampling parameters and the on-device sampler."""
+"""The on-device sampler, run inside the jitted step on each sequence's last-token logits."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How to pick each new token of one request (names follow vLLM).
+class SamplingBatch:
+    """Per-sequence sampling settings of one step, padded to the sequence bucket `S`."""
 
-    temperature 0 is greedy; otherwise tokens are drawn from softmax(logits / temperature).
-    `seed` makes a request's draws reproducible whatever else shares its batch."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    def validate(self, where: str = "") -> None:
-        """Raises ValueError naming the bad field (and `where`, e.g. the request index)."""
-        prefix = f"{where}: " if where else ""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"{prefix}SamplingParams.max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"{prefix}SamplingParams.temperature must be >= 0, got {self.temperature!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"{prefix}SamplingParams.seed must be an integer or None, got {self.seed!r}")
+    temperature: jax.Array  # [S] float32; 0 = greedy
+    top_k: jax.Array  # [S] int32; 0 = off
+    top_p: jax.Array  # [S] float32
+    min_p: jax.Array  # [S] float32
+    presence_penalty: jax.Array  # [S] float32
+    frequency_penalty: jax.Array  # [S] float32
+    repetition_penalty: jax.Array  # [S] float32
+    seeds: jax.Array  # [S] uint32
+    steps: jax.Array  # [S] int32: index of the output token being drawn
+    history: jax.Array  # [S, L] int32: prompt then output tokens, -1 padded
+    prompt_lens: jax.Array  # [S] int32
+    banned: jax.Array  # [S, B] int32: ids that may not be drawn now (min_tokens), -1 padded
 
 
-@functools.partial(jax.jit)
-def sample(
-    logits: jax.Array,  # [S, V] float32
-    temperatures: jax.Array,  # [S] float32; 0 means greedy
-    seeds: jax.Array,  # [S] uint32
-    steps: jax.Array,  # [S] int32: tokens the request has generated so far
-) -> jax.Array:  # [S] int32
-    """Picks one token per row: argmax where temperature is 0, else a draw keyed by
-    (seed, step) so that a request's tokens do not depend on its batch neighbours."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+    """What the step returns per sequence."""
+
+    tokens: jax.Array  # [S] int32
+    logprob: jax.Array  # [S] float32: raw log-probability of the chosen token
+    top_logprobs: jax.Array  # [S, K] float32: the K most likely tokens' raw log-probabilities
+    top_ids: jax.Array  # [S, K] int32
+
+
+def _apply_penalties(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
+    num_seqs, vocab = logits.shape
+    length = sb.history.shape[1]
+    valid = sb.history >= 0
+    is_output = valid & (jnp.arange(length)[None, :] >= sb.prompt_lens[:, None])
+    rows = jnp.arange(num_seqs)[:, None]
+    ids = jnp.clip(sb.history, 0, vocab - 1)
+    out_counts = jnp.zeros((num_seqs, vocab), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))
+    seen = jnp.zeros((num_seqs, vocab), bool).at[rows, ids].max(valid)
+    rep = sb.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - sb.frequency_penalty[:, None] * out_counts
+    return logits - sb.presence_penalty[:, None] * (out_counts > 0)
+
+
+def _filter(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
+    """Top-k, then top-p, then min-p; removed tokens get -inf."""
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+    sorted_desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+    keep_sorted = before < sb.top_p[:, None]
+    cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    p = jax.nn.softmax(logits, axis=-1)
+    return jnp.where(p < sb.min_p[:, None] * p.max(axis=-1, keepdims=True), -jnp.inf, logits)
+
+
+def sample_tokens(logits: jax.Array, sb: SamplingBatch, num_logprobs: int) -> SampleOutput:
+    """Samples one token per row of `logits` [S, V] under each row's settings."""
+    logits = jnp.asarray(logits, jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = logits.at[rows, jnp.clip(sb.banned, 0, logits.shape[1] - 1)].min(
+        jnp.where(sb.banned >= 0, -jnp.inf, jnp.inf)
+    )
+    logits = _apply_penalties(logits, sb)
     greedy = jnp.argmax(logits, axis=-1)
-    safe_t = jnp.where(temperatures > 0, temperatures, 1.0)
+    temp = jnp.where(sb.temperature > 0, sb.temperature, 1.0)
+    filtered = _filter(logits / temp[:, None], sb)
 
-    def draw(row_logits: jax.Array, t: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        return jax.random.categorical(key, row_logits / t)
+    def draw(row: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
+        return jax.random.categorical(jax.random.fold_in(jax.random.key(seed), step), row)
 
-    drawn = jax.vmap(draw)(logits, safe_t, seeds, steps)
-    return jnp.where(temperatures > 0, drawn, greedy).astype(jnp.int32)
+    drawn = jax.vmap(draw)(filtered, sb.seeds, sb.steps)
+    tokens = jnp.where(sb.temperature > 0, drawn, greedy).astype(jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    return SampleOutput(tokens, chosen, top_logprobs, top_ids.astype(jnp.int32))

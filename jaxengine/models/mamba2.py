@@ -46,7 +46,10 @@ class Mamba2Mixer(nnx.Module):
         z, xbc, dt = jnp.split(self.in_proj(x), [inner, inner + cfg.conv_dim], axis=-1)
 
         bias = self.conv_bias[...] if cfg.conv_bias else None
-        conv_in = conv_pool[batch.read_slots]  # [S, conv_dim, K]
+        # A sequence whose first token this step is position 0 starts from zero states,
+        # whatever its read slot last held.
+        fresh = layout.start_pos == 0  # [S]
+        conv_in = jnp.where(fresh[:, None, None], 0, conv_pool[batch.read_slots])  # [S, conv_dim, K]
         if decode:
             xbc, conv_out = ops.causal_conv1d_update(xbc, self.conv_weight[...], bias, conv_in)
         else:
@@ -61,7 +64,7 @@ class Mamba2Mixer(nnx.Module):
         dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         dt = jnp.clip(dt, *cfg.time_step_limit)
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
-        state_in = ssm_pool[batch.read_slots]  # [S, H, P, N]
+        state_in = jnp.where(fresh[:, None, None, None], 0, ssm_pool[batch.read_slots])  # [S, H, P, N]
         if decode:
             y, state_out = ops.ssd_state_update(state_in, xs, dt, A, B, C)
         else:

@@ -1,0 +1,90 @@
+"""`jaxengine run CONFIG.yaml`: a whole batch job from a validated config."""
+
+import json
+import time
+
+import jax
+import numpy as np
+
+from jaxengine.engine.llm import LLM
+from jaxengine.engine.outputs import RequestOutput
+from jaxengine.run_config import ConfigError, RunConfig, load_requests
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def run_batch(cfg: RunConfig) -> dict:
+    """Runs every request of the config's input, writes outputs and metrics; returns the metrics."""
+    requests = load_requests(cfg)
+    engine_args = {k: v for k, v in vars(cfg.engine).items() if k not in ("dtype", "warm_up")}
+    start = time.perf_counter()
+    llm = LLM(cfg.model, cfg.engine.dtype, warm_up=False, **engine_args)
+    try:  # every request is checked before anything compiles
+        for i, r in enumerate(requests):
+            llm.engine.validate_request(r.prompt, r.params, f"request {r.id!r} (line {i + 1})")
+    except ValueError as err:
+        raise ConfigError(f"{cfg.input}: {err}") from err
+    if cfg.engine.warm_up:
+        llm.warm_up(progress=cfg.progress)
+    load_and_compile = time.perf_counter() - start
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt for r in requests], [r.params for r in requests], use_tqdm=cfg.progress)
+    wall = time.perf_counter() - start
+
+    cfg.output.parent.mkdir(parents=True, exist_ok=True)
+    with cfg.output.open("w") as f:
+        for r, out in zip(requests, outputs):
+            f.write(json.dumps(_output_record(r.id, out)) + "\n")
+    metrics = _metrics(cfg, llm, outputs, wall, load_and_compile)
+    cfg.metrics.parent.mkdir(parents=True, exist_ok=True)
+    cfg.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def _output_record(request_id: str, out: RequestOutput) -> dict:
+    record = {
+        "id": request_id,
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "num_prompt_tokens": len(out.prompt_token_ids),
+        "num_cached_tokens": out.num_cached_tokens,
+        "time_to_first_token_s": out.time_to_first_token,
+        "time_per_output_token_s": out.time_per_output_token,
+    }
+    if out.logprobs is not None:
+        record["logprobs"] = [{str(k): v for k, v in step.items()} for step in out.logprobs]
+    return record
+
+
+def _metrics(cfg: RunConfig, llm: LLM, outputs: list[RequestOutput], wall: float, load_and_compile: float) -> dict:
+    engine = llm.engine
+    input_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    output_tokens = sum(len(o.token_ids) for o in outputs)
+    ttfts = [o.time_to_first_token for o in outputs if o.time_to_first_token is not None]
+    tpots = [o.time_per_output_token for o in outputs if o.time_per_output_token is not None]
+    pages, slots = engine.scheduler.pages, engine.scheduler.slots
+    return {
+        "model": str(cfg.model),
+        "device": str(jax.devices()[0].device_kind),
+        "requests": len(outputs),
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "wall_time_s": wall,
+        "output_tokens_per_s": output_tokens / wall if wall else None,
+        "total_tokens_per_s": (input_tokens + output_tokens) / wall if wall else None,
+        "ttft_p50_s": _percentile(ttfts, 50),
+        "ttft_p99_s": _percentile(ttfts, 99),
+        "tpot_p50_s": _percentile(tpots, 50),
+        "load_and_compile_s": load_and_compile,
+        "compile_s": engine.compile_seconds,
+        "num_compiled_shapes": len(engine.shapes()),
+        "preemptions": engine.scheduler.num_preemptions,
+        "peak_kv_pages_in_use": engine.peak_pages_in_use,
+        "kv_pages_usable": pages.num_usable if pages else 0,
+        "peak_ssm_slots_in_use": engine.peak_slots_in_use,
+        "ssm_slots_usable": slots.num_usable if slots else 0,
+        "finish_reasons": {r: sum(o.finish_reason == r for o in outputs) for r in ("stop", "length")},
+    }

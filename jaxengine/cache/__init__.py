@@ -1,0 +1,1 @@
+"""Host-side cache bookkeeping: plain Python, no JAX, so it is fast and easy to property-test."""

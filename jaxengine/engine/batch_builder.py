@@ -1,0 +1,153 @@
+"""Turns a scheduled step into the fixed-shape integer arrays the jitted step takes.
+
+Shapes come from a small set of buckets so the step compiles once per bucket pair:
+token buckets `T` (16, 32, ... up to and including `max_num_batched_tokens`) and sequence
+buckets `S`. A decode step (one token per sequence) uses `T == S`.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from jaxengine.engine.sampler import SamplingBatch
+from jaxengine.engine.sampling_params import MAX_STOP_TOKEN_IDS
+from jaxengine.engine.scheduler import ScheduledStep
+from jaxengine.models.batch import StepBatch
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from `smallest`, capped by and always including the budget."""
+    buckets = []
+    size = smallest
+    while size < max_num_batched_tokens:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_num_batched_tokens)
+    return tuple(buckets)
+
+
+def seq_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Powers of four up to, and always including, `max_num_seqs`: few shapes to compile."""
+    buckets = []
+    size = 1
+    while size < max_num_seqs:
+        buckets.append(size)
+        size *= 4
+    buckets.append(max_num_seqs)
+    return tuple(buckets)
+
+
+def _fit(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One compiled step shape."""
+
+    num_tokens: int
+    num_seqs: int
+    decode: bool
+
+
+def step_shapes(token_b: tuple[int, ...], seq_b: tuple[int, ...]) -> list[Shape]:
+    """Every shape a run can hit: mixed steps for each (T, S) pair that some batch can fill
+    (at least one token per sequence), and decode steps for each S."""
+    shapes = []
+    for t in token_b:
+        for i, s in enumerate(seq_b):
+            fewest_seqs = seq_b[i - 1] + 1 if i else 1
+            if fewest_seqs <= t:
+                shapes.append(Shape(t, s, decode=False))
+    shapes.extend(Shape(s, s, decode=True) for s in seq_b)
+    return shapes
+
+
+class BatchBuilder:
+    """Builds `StepBatch` and `SamplingBatch` arrays for scheduled steps."""
+
+    def __init__(
+        self,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        page_size: int,
+        eos_token_ids: tuple[int, ...],
+    ):
+        self.token_buckets = token_buckets(max_num_batched_tokens)
+        self.seq_buckets = seq_buckets(max_num_seqs)
+        self.max_model_len = max_model_len
+        self.pages_per_seq = math.ceil(max_model_len / page_size)
+        self.eos_token_ids = eos_token_ids
+
+    def shape_of(self, step: ScheduledStep) -> Shape:
+        s = _fit(len(step.seqs), self.seq_buckets)
+        if step.is_decode:
+            return Shape(s, s, decode=True)
+        return Shape(_fit(step.total_tokens, self.token_buckets), s, decode=False)
+
+    def empty(self, shape: Shape) -> tuple[StepBatch, SamplingBatch]:
+        """An all-padding batch of `shape` (used for warm-up): touches only the null sinks."""
+        return self.build(ScheduledStep([], []), shape)
+
+    def build(self, step: ScheduledStep, shape: Shape | None = None) -> tuple[StepBatch, SamplingBatch]:
+        shape = shape or self.shape_of(step)
+        t_size, s_size = shape.num_tokens, shape.num_seqs
+        ids = np.zeros(t_size, np.int32)
+        cu = np.full(s_size + 1, step.total_tokens, np.int32)
+        kv_lens = np.zeros(s_size, np.int32)
+        page_table = np.zeros((s_size, self.pages_per_seq), np.int32)
+        read = np.zeros(s_size, np.int32)
+        write = np.zeros(s_size, np.int32)
+
+        f32 = np.float32
+        temperature = np.zeros(s_size, f32)
+        top_k = np.zeros(s_size, np.int32)
+        top_p = np.ones(s_size, f32)
+        min_p = np.zeros(s_size, f32)
+        presence = np.zeros(s_size, f32)
+        frequency = np.zeros(s_size, f32)
+        repetition = np.ones(s_size, f32)
+        seeds = np.zeros(s_size, np.uint32)
+        steps = np.zeros(s_size, np.int32)
+        history = np.full((s_size, self.max_model_len), -1, np.int32)
+        prompt_lens = np.zeros(s_size, np.int32)
+        banned = np.full((s_size, MAX_STOP_TOKEN_IDS), -1, np.int32)
+
+        offset = 0
+        for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
+            start = seq.num_computed
+            ids[offset : offset + n] = seq.tokens[start : start + n]
+            cu[i] = offset
+            offset += n
+            kv_lens[i] = start + n
+            page_table[i, : len(seq.pages)] = seq.pages
+            if seq.slots:
+                read[i], write[i] = seq.slots
+
+            p = seq.params
+            temperature[i] = p.temperature
+            top_k[i] = max(p.top_k, 0)
+            top_p[i] = p.top_p
+            min_p[i] = p.min_p
+            presence[i] = p.presence_penalty
+            frequency[i] = p.frequency_penalty
+            repetition[i] = p.repetition_penalty
+            seeds[i] = seq.seed
+            steps[i] = seq.num_output_tokens
+            history[i, : len(seq.tokens)] = seq.tokens
+            prompt_lens[i] = seq.num_prompt_tokens
+            if seq.num_output_tokens < p.min_tokens:
+                stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+                banned[i, : len(stops)] = stops[:MAX_STOP_TOKEN_IDS]
+
+        batch = StepBatch(ids, cu, kv_lens, page_table, read, write)
+        sampling = SamplingBatch(
+            temperature, top_k, top_p, min_p, presence, frequency, repetition, seeds, steps, history, prompt_lens, banned
+        )
+        return batch, sampling

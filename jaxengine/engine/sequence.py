@@ -1,0 +1,54 @@
+"""One request as the engine tracks it: its tokens, its cache resources and its progress."""
+
+import dataclasses
+import enum
+import time
+
+from jaxengine.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Sequence:
+    """A request's state. `tokens` is prompt then output; the first `num_computed` of them
+    are in the caches. When all are computed the next token is sampled and appended."""
+
+    request_id: str
+    index: int  # position among the prompts of its `generate` call
+    tokens: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    slots: list[int] = dataclasses.field(default_factory=list)  # [read, write] SSM slots, swapped each step
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_text_cut: int | None = None  # characters of output text kept when a stop string matched
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    def swap_slots(self) -> None:
+        """After a step, the slot just written holds the state the next step reads."""
+        if self.slots:
+            self.slots.reverse()

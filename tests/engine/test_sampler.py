@@ -1,0 +1,119 @@
+"""The on-device sampler against hand-computed expectations on small vocabularies."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxengine.engine import sampler
+from jaxengine.engine.sampler import SamplingBatch
+
+sample_tokens = jax.jit(sampler.sample_tokens, static_argnames="num_logprobs")
+
+VOCAB = 8
+
+
+def _batch(n: int, **overrides) -> SamplingBatch:
+    """A batch of `n` greedy rows with no filters, penalties or history, then `overrides`."""
+    fields = dict(
+        temperature=np.zeros(n, np.float32),
+        top_k=np.zeros(n, np.int32),
+        top_p=np.ones(n, np.float32),
+        min_p=np.zeros(n, np.float32),
+        presence_penalty=np.zeros(n, np.float32),
+        frequency_penalty=np.zeros(n, np.float32),
+        repetition_penalty=np.ones(n, np.float32),
+        seeds=np.arange(n, dtype=np.uint32),
+        steps=np.zeros(n, np.int32),
+        history=np.full((n, 6), -1, np.int32),
+        prompt_lens=np.zeros(n, np.int32),
+        banned=np.full((n, 4), -1, np.int32),
+    )
+    for key, value in overrides.items():
+        fields[key] = np.asarray(value, dtype=fields[key].dtype)
+    return SamplingBatch(**fields)
+
+
+LOGITS = np.log(np.array([[0.05, 0.4, 0.3, 0.1, 0.05, 0.04, 0.03, 0.03]], np.float32))
+
+
+def _draws(logits: np.ndarray, n: int = 400, **settings) -> np.ndarray:
+    """Tokens drawn from `n` identical rows with different seeds."""
+    rows = np.repeat(logits, n, axis=0)
+    sb = _batch(n, temperature=np.ones(n), **{k: np.full(n, v) for k, v in settings.items()})
+    return np.asarray(sample_tokens(rows, sb, num_logprobs=2).tokens)
+
+
+def test_greedy_picks_argmax_and_logprobs_are_raw_log_softmax():
+    logits = np.random.default_rng(0).normal(size=(3, VOCAB)).astype(np.float32)
+    out = sample_tokens(logits, _batch(3), num_logprobs=3)
+    np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
+    shifted = logits - logits.max(-1, keepdims=True)
+    expected = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    np.testing.assert_allclose(out.logprob, expected.max(-1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out.top_ids, np.argsort(-logits, axis=-1)[:, :3])
+    np.testing.assert_allclose(out.top_logprobs, np.sort(expected, axis=-1)[:, ::-1][:, :3], rtol=1e-5, atol=1e-6)
+
+
+def test_top_k_limits_draws_to_the_k_most_likely():
+    assert set(_draws(LOGITS, top_k=2)) <= {1, 2}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    # sorted probabilities 0.4, 0.3, 0.1, ...: p = 0.6 needs tokens 1 and 2, never 3
+    drawn = _draws(LOGITS, top_p=0.6)
+    assert set(drawn) == {1, 2}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    # threshold 0.2 * 0.4 = 0.08 keeps tokens with p >= 0.08: 1, 2 and 3
+    assert set(_draws(LOGITS, min_p=0.2)) == {1, 2, 3}
+
+
+def test_unfiltered_draws_follow_the_distribution():
+    drawn = _draws(LOGITS, n=4000)
+    freq = np.bincount(drawn, minlength=VOCAB) / len(drawn)
+    np.testing.assert_allclose(freq, np.exp(LOGITS[0]), atol=0.03)
+
+
+def test_same_seed_and_step_give_the_same_draw_wherever_the_row_sits():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(4, VOCAB)).astype(np.float32)
+    sb = _batch(4, temperature=np.ones(4), seeds=[11, 12, 13, 14], steps=[0, 5, 2, 9])
+    first = np.asarray(sample_tokens(logits, sb, num_logprobs=1).tokens)
+    order = [2, 0, 3, 1]
+    permuted = _batch(4, temperature=np.ones(4), seeds=np.array([11, 12, 13, 14])[order], steps=np.array([0, 5, 2, 9])[order])
+    second = np.asarray(sample_tokens(logits[order], permuted, num_logprobs=1).tokens)
+    np.testing.assert_array_equal(first[order], second)
+
+
+def _penalised_reference(logits, history, prompt_len, presence, frequency, repetition):
+    """vLLM's penalties written out for one row."""
+    out = logits.copy()
+    seen = {t for t in history if t >= 0}
+    outputs = [t for t in history[prompt_len:] if t >= 0]
+    for t in seen:
+        out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
+    for t in set(outputs):
+        out[t] -= frequency * outputs.count(t) + presence
+    return out
+
+
+@pytest.mark.parametrize("presence,frequency,repetition", [(0.0, 0.0, 1.7), (0.0, 0.8, 1.0), (1.5, 0.0, 1.0), (0.5, 0.3, 1.2)])
+def test_penalties_match_the_written_out_rule(presence, frequency, repetition):
+    rng = np.random.default_rng(2)
+    history = np.array([[3, 1, 3, 5, 5, 5]], np.int32)  # prompt 3, 1; outputs 3, 5, 5, 5
+    for trial in range(20):
+        logits = rng.normal(size=(1, VOCAB)).astype(np.float32) * 2
+        sb = _batch(1, history=history, prompt_lens=[2], presence_penalty=[presence],
+                    frequency_penalty=[frequency], repetition_penalty=[repetition])
+        expected = _penalised_reference(logits[0], history[0], 2, presence, frequency, repetition).argmax()
+        assert int(sample_tokens(logits, sb, num_logprobs=1).tokens[0]) == expected, trial
+
+
+def test_banned_tokens_are_never_drawn():
+    logits = np.zeros((1, VOCAB), np.float32)
+    logits[0, 4] = 10.0
+    sb = _batch(1, banned=[[4, 6, -1, -1]])
+    assert int(sample_tokens(logits, sb, num_logprobs=1).tokens[0]) != 4
+    sampled = _draws(logits, n=200)
+    assert 4 in set(sampled)  # without the ban it dominates
