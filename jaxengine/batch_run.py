@@ -65,7 +65,6 @@ def _metrics(cfg: RunConfig, llm: LLM, outputs: list[RequestOutput], wall: float
     output_tokens = sum(len(o.token_ids) for o in outputs)
     ttfts = [o.time_to_first_token for o in outputs if o.time_to_first_token is not None]
     tpots = [o.time_per_output_token for o in outputs if o.time_per_output_token is not None]
-    pages, slots = engine.scheduler.pages, engine.scheduler.slots
     return {
         "model": str(cfg.model),
         "device": str(jax.devices()[0].device_kind),
@@ -81,10 +80,6 @@ def _metrics(cfg: RunConfig, llm: LLM, outputs: list[RequestOutput], wall: float
         "load_and_compile_s": load_and_compile,
         "compile_s": engine.compile_seconds,
         "num_compiled_shapes": len(engine.shapes()),
-        "preemptions": engine.scheduler.num_preemptions,
-        "peak_kv_pages_in_use": engine.peak_pages_in_use,
-        "kv_pages_usable": pages.num_usable if pages else 0,
-        "peak_ssm_slots_in_use": engine.peak_slots_in_use,
-        "ssm_slots_usable": slots.num_usable if slots else 0,
+        "cache": engine.stats(),
         "finish_reasons": {r: sum(o.finish_reason == r for o in outputs) for r in ("stop", "length")},
     }

@@ -78,12 +78,21 @@ class BatchBuilder:
         max_model_len: int,
         page_size: int,
         eos_token_ids: tuple[int, ...],
+        checkpoint_every: int = 0,
     ):
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.seq_buckets = seq_buckets(max_num_seqs)
         self.max_model_len = max_model_len
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.eos_token_ids = eos_token_ids
+        self.checkpoint_every = checkpoint_every  # scan checkpoint spacing; 0: none
+
+    def num_checkpoints(self, shape: Shape) -> int:
+        """Scan checkpoints one step of `shape` can store: each sequence's chunk of n tokens
+        holds fewer than n / every + 1 of them strictly inside."""
+        if shape.decode or not self.checkpoint_every:
+            return 0
+        return shape.num_tokens // self.checkpoint_every + shape.num_seqs
 
     def shape_of(self, step: ScheduledStep) -> Shape:
         s = _fit(len(step.seqs), self.seq_buckets)
@@ -127,8 +136,8 @@ class BatchBuilder:
             offset += n
             kv_lens[i] = start + n
             page_table[i, : len(seq.pages)] = seq.pages
-            if seq.slots:
-                read[i], write[i] = seq.slots
+            if seq.owned_slots:
+                read[i], write[i] = seq.read_slot, seq.write_slot
 
             p = seq.params
             temperature[i] = p.temperature
@@ -146,7 +155,15 @@ class BatchBuilder:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 banned[i, : len(stops)] = stops[:MAX_STOP_TOKEN_IDS]
 
-        batch = StepBatch(ids, cu, kv_lens, page_table, read, write)
+        num_ckpt = self.num_checkpoints(shape)
+        if len(step.checkpoints) > num_ckpt:
+            raise RuntimeError(f"{len(step.checkpoints)} scan checkpoints exceed the step's {num_ckpt}")
+        ckpt_seq = np.zeros(num_ckpt, np.int32)
+        ckpt_pos = np.full(num_ckpt, -1, np.int32)
+        ckpt_slot = np.zeros(num_ckpt, np.int32)
+        for c, (i, pos, slot) in enumerate(step.checkpoints):
+            ckpt_seq[c], ckpt_pos[c], ckpt_slot[c] = i, pos, slot
+        batch = StepBatch(ids, cu, kv_lens, page_table, read, write, ckpt_seq, ckpt_pos, ckpt_slot)
         sampling = SamplingBatch(
             temperature, top_k, top_p, min_p, presence, frequency, repetition, seeds, steps, history, prompt_lens, banned
         )

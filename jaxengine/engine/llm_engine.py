@@ -5,9 +5,11 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import numpy as np
 
-from jaxengine.cache.free_list import FreeList
+from jaxengine.cache.page_cache import PageCache
+from jaxengine.cache.state_cache import Retention, StateCache
 from jaxengine.engine.batch_builder import BatchBuilder, Shape, step_shapes
 from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.outputs import RequestMetrics, RequestOutput
@@ -16,7 +18,17 @@ from jaxengine.engine.sampling_params import SamplingParams
 from jaxengine.engine.scheduler import ScheduledStep, Scheduler
 from jaxengine.engine.sequence import Sequence
 from jaxengine.engine.tokenizer import load_tokenizer
+from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import load_model
+
+
+def prefix_flops(cfg: ModelConfig, num_params: int, num_tokens: int) -> float:
+    """Forward FLOPs a prefix of `num_tokens` costs (what a hit on it saves): two per weight
+    per token, plus attention's quadratic score and value products."""
+    attn = 0
+    if cfg.attention is not None:
+        attn = 2 * cfg.num_attention_layers * cfg.attention.num_heads * cfg.attention.head_dim * num_tokens * num_tokens
+    return 2.0 * num_params * num_tokens + attn
 
 
 class LLMEngine:
@@ -33,18 +45,36 @@ class LLMEngine:
         cfg = self.model_config
         self.max_model_len = config.resolved_max_model_len(cfg)
         dtype_bytes = 4 if config.dtype == "float32" else 2
-        num_pages = config.resolved_num_kv_pages(cfg, dtype_bytes) if cfg.num_attention_layers else 2
-        num_slots = config.resolved_num_ssm_slots() if cfg.num_mamba_layers else 3
+        caching = config.enable_prefix_caching
+        num_params = sum(x.size for x in jax.tree.leaves(params))
+        pages = states = retention = None
+        if cfg.num_attention_layers:
+            pages = PageCache(config.resolved_num_kv_pages(cfg, dtype_bytes), enabled=caching)
+        if cfg.num_mamba_layers:
+            interval = config.resolved_checkpoint_interval(cfg)
+            retention = Retention.parse(config.ssm_retention, interval)
+            states = StateCache(
+                config.resolved_num_ssm_slots(),
+                config.resolved_num_snapshots(cfg),
+                flops_saved=lambda n: prefix_flops(cfg, num_params, n),
+                alpha=config.ssm_eviction_alpha,
+                enabled=caching,
+            )
         self.runner = ModelRunner(
-            cfg, graphdef, params, num_pages=num_pages, page_size=config.page_size, num_slots=num_slots,
+            cfg, graphdef, params,
+            num_pages=pages.num_pages if pages else 2,
+            page_size=config.page_size,
+            num_slots=states.num_slots if states else 2,
             num_logprobs=config.max_logprobs,
         )
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             page_size=config.page_size,
-            pages=FreeList(num_pages, "KV page") if cfg.num_attention_layers else None,
-            slots=FreeList(num_slots, "SSM slot") if cfg.num_mamba_layers else None,
+            pages=pages,
+            states=states,
+            retention=retention,
+            enable_prefix_caching=caching,
         )
         self.builder = BatchBuilder(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -52,6 +82,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             page_size=config.page_size,
             eos_token_ids=cfg.eos_token_ids,
+            checkpoint_every=retention.every if retention and caching else 0,
         )
         self.compile_seconds = 0.0
         self.peak_pages_in_use = 0
@@ -107,12 +138,14 @@ class LLMEngine:
             raise ValueError(f"{where}: needs {total} tokens of KV cache, more than the whole pool holds")
         return ids
 
-    def add_request(self, token_ids: list[int], params: SamplingParams, index: int = 0) -> Sequence:
+    def add_request(
+        self, token_ids: list[int], params: SamplingParams, index: int = 0, cache_salt: str | None = None
+    ) -> Sequence:
         """Queues an already validated request."""
         request_id = str(self._next_id)
         self._next_id += 1
         seed = params.seed if params.seed is not None else zlib.crc32(f"{self.config.seed}/{request_id}".encode())
-        seq = Sequence(request_id, index, list(token_ids), len(token_ids), params, seed)
+        seq = Sequence(request_id, index, list(token_ids), len(token_ids), params, seed, cache_salt=cache_salt)
         self.scheduler.add(seq)
         return seq
 
@@ -136,10 +169,9 @@ class LLMEngine:
         if want_logprobs:
             chosen, top_lp, top_ids = (np.asarray(a) for a in (out.logprob, out.top_logprobs, out.top_ids))
         now = time.perf_counter()
+        self.scheduler.update(scheduled)
         updated = []
-        for i, (seq, n) in enumerate(zip(scheduled.seqs, scheduled.num_tokens)):
-            seq.num_computed += n
-            seq.swap_slots()
+        for i, seq in enumerate(scheduled.seqs):
             if seq.num_computed < len(seq.tokens):
                 continue  # a prefill chunk that does not reach the end yet
             token = int(tokens[i])
@@ -160,8 +192,31 @@ class LLMEngine:
     def _note_pool_use(self) -> None:
         if self.scheduler.pages is not None:
             self.peak_pages_in_use = max(self.peak_pages_in_use, self.scheduler.pages.num_in_use)
-        if self.scheduler.slots is not None:
-            self.peak_slots_in_use = max(self.peak_slots_in_use, self.scheduler.slots.num_in_use)
+        if self.scheduler.states is not None:
+            self.peak_slots_in_use = max(self.peak_slots_in_use, len(self.scheduler.states.live))
+
+    def stats(self) -> dict:
+        """Prefix-cache and pool counters since start."""
+        sched = self.scheduler
+        pages, states = sched.pages, sched.states
+        asked = sched.stats.tokens_asked
+        return {
+            "prefix_caching": self.config.enable_prefix_caching,
+            "tokens_asked": asked,
+            "tokens_hit": sched.stats.tokens_hit,
+            "hit_rate": sched.stats.tokens_hit / asked if asked else 0.0,
+            "kv_pages_in_use": pages.num_in_use if pages else 0,
+            "kv_pages_cached": pages.num_cached if pages else 0,
+            "kv_pages_usable": pages.num_usable if pages else 0,
+            "kv_page_evictions": pages.evictions if pages else 0,
+            "ssm_live_slots_in_use": len(states.live) if states else 0,
+            "ssm_snapshots_held": len(states.snapshots) if states else 0,
+            "ssm_snapshot_slots": states.num_snapshots if states else 0,
+            "ssm_snapshot_evictions": states.evictions if states else 0,
+            "preemptions": sched.num_preemptions,
+            "peak_kv_pages_in_use": self.peak_pages_in_use,
+            "peak_ssm_live_slots_in_use": self.peak_slots_in_use,
+        }
 
     def _check_finished(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -196,7 +251,7 @@ class LLMEngine:
             token_ids=seq.output_token_ids,
             text=self.decode(seq) if self.tokenizer is not None else None,
             finish_reason=seq.finish_reason,
-            num_cached_tokens=0,
+            num_cached_tokens=seq.num_cached_tokens or 0,
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             metrics=metrics,
         )
@@ -210,8 +265,9 @@ class LLMEngine:
             raise RuntimeError("prompt_logits cannot run while requests are in flight")
         seq = Sequence("prompt_logits", 0, list(token_ids), len(token_ids), SamplingParams(), 0)
         sched = self.scheduler
-        if sched.slots is not None:
-            seq.slots = sched.slots.allocate(2)
+        if sched.states is not None:
+            seq.owned_slots = sched.states.alloc_live(2)
+            seq.read_slot = seq.owned_slots[0]
         rows = []
         try:
             for n in chunk_sizes:
@@ -221,7 +277,7 @@ class LLMEngine:
                 batch, _ = self.builder.build(ScheduledStep([seq], [n]), shape)
                 rows.append(np.asarray(self.runner.logits(batch, all_logits=True))[:n])
                 seq.num_computed += n
-                seq.swap_slots()
+                seq.read_slot = seq.write_slot
         finally:
             sched.release(seq)
         return np.concatenate(rows)

@@ -1,26 +1,43 @@
-"""The scheduler: which sequences advance by how many tokens in the next step.
+"""The scheduler: which sequences advance by how many tokens in the next step, and the
+prefix-cache bookkeeping around each step.
 
 Running sequences go first, decodes before prefill chunks, then waiting sequences are
-admitted while the token budget, the sequence cap, pages and slots allow. A long prompt
-is split over several steps (chunked prefill). When a running sequence needs a page and
-none is free, the newest not-yet-scheduled running sequence is preempted: its pages and
-slots are freed and it goes back to the front of the queue, to be recomputed later.
+admitted while the token budget, the sequence cap, pages and slots allow. A long prompt is
+split over several steps (chunked prefill). When a running sequence needs a page and none
+can be had, the newest not-yet-scheduled running sequence is preempted: its pages and slots
+are released and it goes back to the front of the queue, to be recomputed later.
+
+Prefix caching (host side only; the device just follows the index arrays):
+  * on admission a sequence takes the longest cached prefix whose pages are all cached and,
+    if the model has Mamba layers, for which a checkpoint exists at exactly that length: its
+    page table starts with those pages and its first step reads that checkpoint;
+  * full pages are registered under their chained block hash once computed;
+  * whenever a step ends on a page boundary, the slot it wrote holds the exact state there,
+    and becomes a checkpoint for free (the sequence takes a fresh slot). Prefill chunks are
+    cut to end at the prompt's last page boundary and at junctions (a cached-page boundary
+    past the last checkpoint on the path), so the next request with that prefix hits;
+  * with `dense` or `every=N` retention, the scan's states at those multiples inside a
+    prefill chunk are scattered into snapshot slots reserved here.
 """
 
 import collections
 import dataclasses
 import math
 
-from jaxengine.cache.free_list import FreeList
+from jaxengine.cache.block_hash import extend_hashes, root_hash
+from jaxengine.cache.page_cache import PageCache
+from jaxengine.cache.state_cache import Retention, StateCache
 from jaxengine.engine.sequence import Sequence, Status
 
 
 @dataclasses.dataclass
 class ScheduledStep:
-    """One step's work: `num_tokens[i]` new tokens of `seqs[i]`."""
+    """One step's work: `num_tokens[i]` new tokens of `seqs[i]`, and the scan checkpoints
+    `(sequence index, absolute position, snapshot slot)` the step must store."""
 
     seqs: list[Sequence]
     num_tokens: list[int]
+    checkpoints: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -32,8 +49,16 @@ class ScheduledStep:
         return sum(self.num_tokens)
 
 
+@dataclasses.dataclass
+class CacheStats:
+    """Prefix-cache counters since the engine started."""
+
+    tokens_asked: int = 0  # prompt tokens at each admission
+    tokens_hit: int = 0  # of those, served from the cache
+
+
 class Scheduler:
-    """Owns the waiting queue, the running list and the page and slot free lists."""
+    """Owns the waiting queue, the running list, and the page and state caches."""
 
     def __init__(
         self,
@@ -41,17 +66,22 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         page_size: int,
-        pages: FreeList | None,
-        slots: FreeList | None,
+        pages: PageCache | None,
+        states: StateCache | None,
+        retention: Retention | None = None,
+        enable_prefix_caching: bool = True,
     ):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.page_size = page_size
         self.pages = pages  # None for models without attention layers
-        self.slots = slots  # None for models without Mamba layers
+        self.states = states  # None for models without Mamba layers
+        self.retention = retention or Retention("sparse")
+        self.caching = enable_prefix_caching
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.stats = CacheStats()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -60,14 +90,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _pages_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.page_size)
+    # ------------------------------------------------------------------ resources
 
     def grow_pages(self, seq: Sequence, num_tokens: int) -> bool:
-        """Gives `seq` pages for its first `num_tokens` tokens; False if too few are free."""
+        """Gives `seq` pages for its first `num_tokens` tokens; False if too few can be had."""
         if self.pages is None:
             return True
-        extra = self._pages_for(num_tokens) - len(seq.pages)
+        extra = math.ceil(num_tokens / self.page_size) - len(seq.pages)
         if extra <= 0:
             return True
         got = self.pages.allocate(extra)
@@ -77,20 +106,94 @@ class Scheduler:
         return True
 
     def release(self, seq: Sequence) -> None:
+        """Returns a sequence's pages and slots; its cached pages and checkpoints stay."""
         if self.pages is not None and seq.pages:
-            self.pages.free(seq.pages)
-        if self.slots is not None and seq.slots:
-            self.slots.free(seq.slots)
-        seq.pages, seq.slots = [], []
+            self.pages.release(seq.pages)
+        if self.states is not None:
+            self._unpin_read(seq)
+            if seq.owned_slots:
+                self.states.free_live(seq.owned_slots)
+        seq.pages, seq.owned_slots, seq.read_slot = [], [], 0
+
+    def _unpin_read(self, seq: Sequence) -> None:
+        if seq.read_slot and seq.read_slot not in seq.owned_slots:
+            self.states.unpin(seq.read_slot)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.release(seq)
         seq.num_computed = 0
+        seq.junction = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------------ prefix hits
+
+    def _hashes(self, seq: Sequence) -> list[bytes]:
+        return extend_hashes(seq.block_hashes, seq.tokens, self.page_size, root_hash(seq.cache_salt))
+
+    def _match(self, seq: Sequence) -> tuple[list[int], int, int]:
+        """(cached pages to share, hit length, junction) for a sequence about to be admitted."""
+        if not self.caching:
+            return [], 0, 0
+        hashes = self._hashes(seq)[: (len(seq.tokens) - 1) // self.page_size]  # leave a token to compute
+        pages = self.pages.lookup(hashes) if self.pages is not None else []
+        reach = len(pages) if self.pages is not None else len(hashes)
+        if self.states is None:
+            return pages, reach * self.page_size, 0
+        hit = next((j for j in range(reach, 0, -1) if self.states.lookup(hashes[j - 1])), 0)
+        junction = reach * self.page_size if reach > hit else 0
+        return pages[:hit], hit * self.page_size, junction
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to compute next: up to the budget, ending early at a checkpoint target."""
+        n = min(seq.num_uncomputed, budget)
+        if self.states is not None and self.caching:
+            end = seq.num_computed + n
+            targets = [t for t in (seq.junction, self._last_boundary(seq)) if seq.num_computed < t < end]
+            if targets:
+                n = min(targets) - seq.num_computed
+        return n
+
+    def _last_boundary(self, seq: Sequence) -> int:
+        """The last page boundary of its prompt (of all its tokens when recomputing)."""
+        return (len(seq.tokens) // self.page_size) * self.page_size
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Takes a waiting sequence into the running set; returns its first chunk's size
+        (0, and nothing taken, if its slots or pages cannot be had)."""
+        shared, hit, junction = self._match(seq)
+        slots = []
+        if self.states is not None:
+            slots = self.states.alloc_live(2)
+            if slots is None:
+                return 0
+        if self.pages is not None:
+            self.pages.acquire(shared)
+        seq.pages, seq.num_computed, seq.junction = list(shared), hit, junction
+        n = self._chunk(seq, budget)
+        if not self.grow_pages(seq, hit + n):
+            if self.pages is not None:
+                self.pages.release(seq.pages)
+            if slots:
+                self.states.free_live(slots)
+            seq.pages, seq.num_computed, seq.junction = [], 0, 0
+            return 0
+        if self.states is not None:
+            seq.owned_slots = slots
+            seq.read_slot = slots[0]
+            if hit:
+                seq.read_slot = self.states.slot_of_hash[self._hashes(seq)[hit // self.page_size - 1]]
+                self.states.pin(seq.read_slot)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = hit
+        self.stats.tokens_asked += len(seq.tokens)
+        self.stats.tokens_hit += hit
+        return n
+
+    # ------------------------------------------------------------------ scheduling
 
     def schedule(self) -> ScheduledStep:
         """Picks the next step's sequences and token counts and reserves their pages."""
@@ -100,7 +203,7 @@ class Scheduler:
         pending = sorted(self.running, key=lambda s: s.num_uncomputed > 1)
         while pending and budget > 0:
             seq = pending.pop(0)
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq, budget)
             while not self.grow_pages(seq, seq.num_computed + n):
                 victim = pending.pop() if pending else seq
                 self._preempt(victim)
@@ -111,28 +214,75 @@ class Scheduler:
             step.seqs.append(seq)
             step.num_tokens.append(n)
             budget -= n
-        # Admit waiting sequences while everything they need is free.
+        # Admit waiting sequences while everything they need can be had.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            slots = self.slots.allocate(2) if self.slots is not None else []
-            if slots is None:
-                break
-            if not self.grow_pages(seq, seq.num_computed + n):
-                if slots:
-                    self.slots.free(slots)
+            n = self._admit(seq, budget)
+            if n == 0:
                 break
             self.waiting.popleft()
-            seq.slots = slots
             seq.status = Status.RUNNING
             self.running.append(seq)
             step.seqs.append(seq)
             step.num_tokens.append(n)
             budget -= n
+        step.checkpoints = self._reserve_scan_checkpoints(step)
         return step
 
+    def _reserve_scan_checkpoints(self, step: ScheduledStep) -> list[tuple[int, int, int]]:
+        if self.states is None or not self.caching or step.is_decode:
+            return []
+        out = []
+        for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
+            hashes = self._hashes(seq)
+            for pos in self.retention.scan_positions(seq.num_computed, seq.num_computed + n):
+                slot = self.states.reserve(hashes[pos // self.page_size - 1], pos)
+                if slot is not None:
+                    out.append((i, pos, slot))
+        return out
+
+    # ------------------------------------------------------------------ after a step
+
+    def update(self, step: ScheduledStep) -> None:
+        """Advances the step's sequences: pages to register, slots to rotate, checkpoints to keep."""
+        for _, _, slot in step.checkpoints:
+            self.states.commit(slot)
+        for seq, n in zip(step.seqs, step.num_tokens):
+            seq.num_computed += n
+            if self.pages is not None and self.caching:
+                hashes = self._hashes(seq)
+                for i in range(seq.num_computed // self.page_size):
+                    self.pages.register(seq.pages[i], hashes[i])
+            if self.states is not None:
+                self._rotate_slots(seq)
+
+    def _rotate_slots(self, seq: Sequence) -> None:
+        """The slot just written becomes the one read next; at a page boundary it may become
+        a checkpoint, and the sequence then takes a fresh live slot to write into."""
+        written, end = seq.write_slot, seq.num_computed
+        self._unpin_read(seq)
+        seq.read_slot = written
+        if not self.caching or end % self.page_size or end == 0:
+            return
+        block_hash = self._hashes(seq)[end // self.page_size - 1]
+        if not self.states.adopt(written, block_hash, end):
+            return
+        seq.owned_slots.remove(written)
+        seq.owned_slots.extend(self.states.alloc_live(1))
+        self.states.pin(written)
+        kept = end in (seq.junction, self._last_boundary(seq)) or (self.retention.every and end % self.retention.every == 0)
+        if kept:
+            return
+        # A plain page boundary: keep only the latest one of this sequence (sparse retention
+        # keeps the last boundary a finished sequence reached, so its next turn hits).
+        old = seq.trailing_checkpoint
+        ckpt = self.states.snapshots.get(old)
+        if ckpt is not None and ckpt.pins == 0 and ckpt.num_tokens < end and ckpt.block_hash in seq.block_hashes:
+            self.states.drop(old)
+        seq.trailing_checkpoint = written
+
     def finish(self, seq: Sequence) -> None:
-        """Frees a finished sequence's pages and slots."""
+        """Releases a finished sequence's pages and slots (its cached ones stay reusable)."""
         self.running.remove(seq)
         self.release(seq)
         seq.status = Status.FINISHED

@@ -26,9 +26,17 @@ class Sequence:
     seed: int
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     status: Status = Status.WAITING
+    cache_salt: str | None = None
     num_computed: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
-    slots: list[int] = dataclasses.field(default_factory=list)  # [read, write] SSM slots, swapped each step
+    # SSM state: the two live slots it owns, and the slot its next step reads (one of them, or
+    # a pinned snapshot checkpoint after a prefix hit or once its own state became a checkpoint).
+    owned_slots: list[int] = dataclasses.field(default_factory=list)
+    read_slot: int = 0
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of its full pages
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    junction: int = 0  # a cached-page boundary past the last checkpoint: a prefill chunk ends there
+    trailing_checkpoint: int = 0  # its latest page-boundary checkpoint that nothing else keeps
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_text_cut: int | None = None  # characters of output text kept when a stop string matched
@@ -48,7 +56,7 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return len(self.tokens) - self.num_computed
 
-    def swap_slots(self) -> None:
-        """After a step, the slot just written holds the state the next step reads."""
-        if self.slots:
-            self.slots.reverse()
+    @property
+    def write_slot(self) -> int:
+        """The owned slot its next step writes: whichever owned slot it does not read."""
+        return self.owned_slots[1] if self.read_slot == self.owned_slots[0] else self.owned_slots[0]

@@ -26,6 +26,11 @@ class StepBatch:
     page_table: jax.Array  # [S, pages_per_seq] int32: KV pages of each sequence
     read_slots: jax.Array  # [S] int32: SSM slot each sequence's state is read from
     write_slots: jax.Array  # [S] int32: SSM slot its new state is written to
+    # Checkpoints to store from inside the scan: the state of sequence `ckpt_seq[c]` after
+    # absolute position `ckpt_pos[c]` (a chunk boundary) goes to SSM slot `ckpt_slot[c]`.
+    ckpt_seq: jax.Array  # [C] int32
+    ckpt_pos: jax.Array  # [C] int32 (-1 for padding)
+    ckpt_slot: jax.Array  # [C] int32 (0, the null slot, for padding)
 
 
 @jax.tree_util.register_dataclass

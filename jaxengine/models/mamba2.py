@@ -50,6 +50,9 @@ class Mamba2Mixer(nnx.Module):
         # whatever its read slot last held.
         fresh = layout.start_pos == 0  # [S]
         conv_in = jnp.where(fresh[:, None, None], 0, conv_pool[batch.read_slots])  # [S, conv_dim, K]
+        if batch.ckpt_slot.shape[0]:
+            ckpt_conv = _conv_states_at(xbc, conv_in, batch, layout.start_pos)
+            conv_pool = conv_pool.at[batch.ckpt_slot].set(ckpt_conv.astype(conv_pool.dtype))
         if decode:
             xbc, conv_out = ops.causal_conv1d_update(xbc, self.conv_weight[...], bias, conv_in)
         else:
@@ -72,8 +75,32 @@ class Mamba2Mixer(nnx.Module):
                 xs, dt, A, B, C, state_in, batch.cu_q_lens, layout.start_pos, chunk_size=cfg.chunk_size
             )
             y, state_out = scan.y, scan.final_states
+            if batch.ckpt_slot.shape[0]:
+                # The row whose chunk ends at the checkpoint's position holds its state.
+                match = (scan.chunk_seq[None, :] == batch.ckpt_seq[:, None]) & (
+                    scan.chunk_end[None, :] == batch.ckpt_pos[:, None]
+                )
+                ckpt_states = scan.chunk_states[jnp.argmax(match, axis=1)]  # [C, H, P, N]
+                ssm_pool = ssm_pool.at[batch.ckpt_slot].set(ckpt_states.astype(ssm_pool.dtype))
         ssm_pool = ssm_pool.at[batch.write_slots].set(state_out.astype(ssm_pool.dtype))
 
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs.astype(jnp.float32)
         y = self.norm(y.reshape(num_tokens, inner), z).astype(x.dtype)  # norm in float32, like the reference
         return self.out_proj(y), conv_pool, ssm_pool
+
+
+def _conv_states_at(
+    xbc: jax.Array,  # [T, conv_dim] raw conv inputs of this step
+    conv_in: jax.Array,  # [S, conv_dim, K] each sequence's conv state before this step
+    batch: StepBatch,
+    start_pos: jax.Array,  # [S]
+) -> jax.Array:  # [C, conv_dim, K]
+    """The conv state (last K raw columns) of sequence `ckpt_seq[c]` after position `ckpt_pos[c]`."""
+    kernel = conv_in.shape[-1]
+    seq = batch.ckpt_seq
+    rel = (batch.ckpt_pos - start_pos[seq])[:, None] - kernel + jnp.arange(kernel)[None, :]  # [C, K]
+    from_x = xbc[jnp.clip(batch.cu_q_lens[seq][:, None] + rel, 0, xbc.shape[0] - 1)]  # [C, K, conv_dim]
+    from_state = jnp.take_along_axis(
+        conv_in[seq], jnp.clip(kernel + rel, 0, kernel - 1)[:, None, :], axis=-1
+    )  # [C, conv_dim, K]
+    return jnp.where((rel >= 0)[:, None, :], jnp.moveaxis(from_x, 1, 2), from_state)

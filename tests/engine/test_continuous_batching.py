@@ -34,8 +34,8 @@ def test_greedy_matches_transformers_under_preemption(tiny_models, arch):
     assert sched.num_preemptions > 0
     assert not sched.running and not sched.waiting
     assert sched.pages.num_in_use == 0 and sched.pages.num_free == sched.pages.num_usable
-    if sched.slots is not None:
-        assert sched.slots.num_in_use == 0 and sched.slots.num_free == sched.slots.num_usable
+    if sched.states is not None:
+        assert not sched.states.live and all(c.pins == 0 for c in sched.states.snapshots.values())
 
 
 def test_no_compiles_after_warm_up(bamba_llm):
