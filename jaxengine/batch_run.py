@@ -30,7 +30,8 @@ def run_batch(cfg: RunConfig) -> dict:
         llm.warm_up(progress=cfg.progress)
     load_and_compile = time.perf_counter() - start
     start = time.perf_counter()
-    outputs = llm.generate([r.prompt for r in requests], [r.params for r in requests], use_tqdm=cfg.progress)
+    prompts = [{"prompt" if isinstance(r.prompt, str) else "prompt_token_ids": r.prompt, "cache_salt": r.cache_salt} for r in requests]
+    outputs = llm.generate(prompts, [r.params for r in requests], use_tqdm=cfg.progress)
     wall = time.perf_counter() - start
 
     cfg.output.parent.mkdir(parents=True, exist_ok=True)

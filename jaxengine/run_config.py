@@ -4,7 +4,7 @@
 model: default                 # "default" (the embedded model) or a model directory
 engine: {max_num_seqs: 16}     # EngineConfig fields
 sampling: {max_tokens: 64}     # default SamplingParams for every request
-input: prompts.jsonl           # one request per line: {"id", "prompt" | "prompt_token_ids", sampling overrides}
+input: prompts.jsonl           # per line: {"id", "prompt" | "prompt_token_ids", "cache_salt", sampling overrides}
 output: outputs.jsonl          # one result per line, in input order
 metrics: metrics.json          # throughput, latency percentiles, compile time, pool use
 progress: true
@@ -25,7 +25,7 @@ from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.sampling_params import SamplingParams
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
-REQUEST_KEYS = ("id", "prompt", "prompt_token_ids")
+REQUEST_KEYS = ("id", "prompt", "prompt_token_ids", "cache_salt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +35,7 @@ class RunRequest:
     id: str
     prompt: str | list[int]
     params: SamplingParams
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +155,10 @@ def load_requests(cfg: RunConfig) -> list[RunRequest]:
         prompt = item.get("prompt", item.get("prompt_token_ids"))
         overrides = {k: v for k, v in item.items() if k not in REQUEST_KEYS}
         params = _typed(SamplingParams, {**dataclasses.asdict(cfg.sampling), **overrides}, where)
-        requests.append(RunRequest(str(item.get("id", number)), prompt, params))
+        salt = item.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ConfigError(f"{where}: cache_salt must be a string, got {salt!r}")
+        requests.append(RunRequest(str(item.get("id", number)), prompt, params, salt))
     if not requests:
         raise ConfigError(f"{cfg.input}: no requests")
     return requests

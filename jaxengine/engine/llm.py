@@ -10,7 +10,9 @@ from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput, StreamOutput
 from jaxengine.engine.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
+# A prompt is text, token ids, or a dict {"prompt": text} / {"prompt_token_ids": ids} that
+# may also carry a "cache_salt": requests with different salts never share cached prefixes.
+Prompt = str | Sequence[int] | dict
 
 
 class LLM:
@@ -49,8 +51,15 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        token_lists = [self.engine.validate_request(p, sp, f"request {i}") for i, (p, sp) in enumerate(zip(prompts, params))]
-        return [self.engine.add_request(ids, sp, i) for i, (ids, sp) in enumerate(zip(token_lists, params))]
+        requests = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            text_or_ids, salt = _unpack(prompt, f"request {i}")
+            requests.append((self.engine.validate_request(text_or_ids, sp, f"request {i}"), sp, salt))
+        return [self.engine.add_request(ids, sp, i, salt) for i, (ids, sp, salt) in enumerate(requests)]
+
+    def stats(self) -> dict:
+        """Prefix-cache counters (tokens hit / asked, evictions per pool) and pool use."""
+        return self.engine.stats()
 
     def generate(
         self,
@@ -100,3 +109,18 @@ class LLM:
         if sum(chunk_sizes) != len(ids) or min(chunk_sizes) < 1:
             raise ValueError(f"chunk_sizes must be positive and sum to the prompt length {len(ids)}, got {chunk_sizes}")
         return self.engine.prompt_logits(ids, chunk_sizes)
+
+
+def _unpack(prompt: Prompt, where: str) -> tuple[str | Sequence[int], str | None]:
+    """(text or token ids, cache salt) of one prompt."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
+    if unknown:
+        raise ValueError(f"{where}: unknown prompt key {unknown[0]!r}; known: prompt, prompt_token_ids, cache_salt")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError(f"{where}: give exactly one of 'prompt' or 'prompt_token_ids'")
+    salt = prompt.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"{where}: cache_salt must be a string, got {salt!r}")
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), salt

@@ -152,14 +152,10 @@ class Scheduler:
         n = min(seq.num_uncomputed, budget)
         if self.states is not None and self.caching:
             end = seq.num_computed + n
-            targets = [t for t in (seq.junction, self._last_boundary(seq)) if seq.num_computed < t < end]
+            targets = [t for t in (seq.junction, seq.prefill_boundary) if seq.num_computed < t < end]
             if targets:
                 n = min(targets) - seq.num_computed
         return n
-
-    def _last_boundary(self, seq: Sequence) -> int:
-        """The last page boundary of its prompt (of all its tokens when recomputing)."""
-        return (len(seq.tokens) // self.page_size) * self.page_size
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Takes a waiting sequence into the running set; returns its first chunk's size
@@ -173,6 +169,9 @@ class Scheduler:
         if self.pages is not None:
             self.pages.acquire(shared)
         seq.pages, seq.num_computed, seq.junction = list(shared), hit, junction
+        # The last page boundary of what it must prefill (its prompt, or all its tokens when
+        # recomputed after preemption): a chunk ends there so that state becomes a checkpoint.
+        seq.prefill_boundary = (len(seq.tokens) // self.page_size) * self.page_size
         n = self._chunk(seq, budget)
         if not self.grow_pages(seq, hit + n):
             if self.pages is not None:
@@ -270,7 +269,7 @@ class Scheduler:
         seq.owned_slots.remove(written)
         seq.owned_slots.extend(self.states.alloc_live(1))
         self.states.pin(written)
-        kept = end in (seq.junction, self._last_boundary(seq)) or (self.retention.every and end % self.retention.every == 0)
+        kept = end in (seq.junction, seq.prefill_boundary) or (self.retention.every and end % self.retention.every == 0)
         if kept:
             return
         # A plain page boundary: keep only the latest one of this sequence (sparse retention

@@ -36,6 +36,7 @@ class Sequence:
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of its full pages
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     junction: int = 0  # a cached-page boundary past the last checkpoint: a prefill chunk ends there
+    prefill_boundary: int = 0  # the last page boundary of what its prefill covers: a chunk ends there
     trailing_checkpoint: int = 0  # its latest page-boundary checkpoint that nothing else keeps
     num_preemptions: int = 0
     finish_reason: str | None = None

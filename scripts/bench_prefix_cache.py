@@ -1,0 +1,142 @@
+"""Prefix caching on vs off, side by side, on a hybrid and a plain-transformer model.
+
+    python scripts/bench_prefix_cache.py [--json bench_prefix_cache.json] [--questions 64]
+
+Workloads (token-id prompts, greedy, the same for every configuration):
+  system-prompt   a 2048-token shared system prompt followed by distinct 32-token questions,
+                  all submitted at once; reports mean/p50 TTFT, output tokens/s, hit rate;
+  conversations   8 conversations x 6 turns, interleaved, each turn's prompt the previous
+                  prompt + answer + a new message, under a snapshot budget that cannot keep
+                  everything; reports hit rate and snapshot bytes held per retention mode;
+  short-prefix    a 200-token shared prefix (shorter than any large block): must hit.
+The hybrid model is the embedded default (Bamba); the plain transformer is a Llama of the
+same width and depth with random weights (speed and hit rates do not depend on the weights).
+"""
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from jaxengine import LLM, SamplingParams
+from jaxengine.models.config import load_model_config
+from jaxengine.run_config import DEFAULT_MODEL
+
+ENGINE = dict(max_model_len=2560, max_num_seqs=16, max_num_batched_tokens=512, page_size=16)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def _tokens(n: int, seed: int, vocab: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1, vocab, size=n).tolist()
+
+
+def _llama_like(hybrid_dir: Path, out: Path) -> Path:
+    """A random Llama with the hybrid model's width, depth, heads and vocabulary."""
+    cfg = load_model_config(hybrid_dir)
+    a = cfg.attention
+    llama = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.mlp.intermediate_size,
+        num_hidden_layers=len(cfg.layers), num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
+        max_position_embeddings=4096, tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(llama).save_pretrained(out)
+    return out
+
+
+def _system_prompt(model: Path, caching: bool, questions: int) -> dict:
+    llm = LLM(model, enable_prefix_caching=caching, compilation_cache_dir=None, **ENGINE)
+    vocab = llm.engine.model_config.vocab_size
+    system = _tokens(2048, 0, vocab)
+    prompts = [system + _tokens(32, 1 + i, vocab) for i in range(questions)]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    wall = time.perf_counter() - start
+    ttft = [o.time_to_first_token for o in outs]
+    stats = llm.stats()
+    return {
+        "ttft_mean_s": float(np.mean(ttft)),
+        "ttft_p50_s": float(np.median(ttft)),
+        "output_tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
+        "wall_s": wall,
+        "hit_rate": stats["hit_rate"],
+        "cached_tokens_per_request": [o.num_cached_tokens for o in outs[:4]],
+    }
+
+
+def _conversations(model: Path, retention: str, snapshots: int) -> dict:
+    llm = LLM(model, ssm_retention=retention, num_ssm_snapshot_slots=snapshots, compilation_cache_dir=None, **ENGINE)
+    vocab = llm.engine.model_config.vocab_size
+    system = _tokens(300, 99, vocab)
+    convs = [system + _tokens(120, 1000 + c, vocab) for c in range(8)]
+    for turn in range(6):
+        for c in range(8):  # interleaved: one turn of each conversation in turn
+            out = llm.generate([convs[c]], GREEDY, use_tqdm=False)[0]
+            convs[c] = convs[c] + out.token_ids + _tokens(40, 10_000 + 8 * turn + c, vocab)
+    stats = llm.stats()
+    states = llm.engine.scheduler.states
+    slot_bytes = 0
+    if states is not None:
+        m = llm.engine.model_config.mamba
+        slot_bytes = llm.engine.model_config.num_mamba_layers * (
+            4 * m.num_heads * m.head_dim * m.state_size + 4 * m.conv_dim * m.conv_kernel
+        )
+    return {
+        "hit_rate": stats["hit_rate"],
+        "snapshots_held": stats["ssm_snapshots_held"],
+        "snapshot_bytes_held": stats["ssm_snapshots_held"] * slot_bytes,
+        "snapshot_evictions": stats["ssm_snapshot_evictions"],
+        "kv_page_evictions": stats["kv_page_evictions"],
+    }
+
+
+def _short_prefix(model: Path) -> list[int]:
+    llm = LLM(model, compilation_cache_dir=None, **ENGINE)
+    vocab = llm.engine.model_config.vocab_size
+    prefix = _tokens(200, 5, vocab)
+    return [llm.generate([prefix + _tokens(10, 50 + i, vocab)], GREEDY, use_tqdm=False)[0].num_cached_tokens for i in range(4)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default="bench_prefix_cache.json")
+    parser.add_argument("--questions", type=int, default=64)
+    parser.add_argument("--snapshots", type=int, default=8, help="snapshot slots in the conversations workload")
+    args = parser.parse_args()
+
+    results: dict = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {"processor": platform.processor() or platform.machine(), "device": jax.devices()[0].device_kind},
+        "engine": ENGINE,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {"hybrid (Bamba)": DEFAULT_MODEL, "transformer (Llama)": _llama_like(DEFAULT_MODEL, Path(tmp) / "llama")}
+        for name, path in models.items():
+            off = _system_prompt(path, False, args.questions)
+            on = _system_prompt(path, True, args.questions)
+            results[f"system_prompt/{name}"] = {
+                "off": off, "on": on,
+                "ttft_ratio": off["ttft_mean_s"] / on["ttft_mean_s"],
+                "throughput_ratio": on["output_tokens_per_s"] / off["output_tokens_per_s"],
+            }
+            print(f"{name}: shared 2048-token system prompt, {args.questions} questions")
+            print(f"  TTFT mean off {off['ttft_mean_s']:.3f}s  on {on['ttft_mean_s']:.3f}s  ratio {off['ttft_mean_s'] / on['ttft_mean_s']:.1f}x")
+            print(f"  output tok/s off {off['output_tokens_per_s']:.1f}  on {on['output_tokens_per_s']:.1f}")
+            results[f"short_prefix/{name}"] = _short_prefix(path)
+            print(f"  200-token shared prefix, cached tokens per request: {results[f'short_prefix/{name}']}")
+        for retention in ("sparse", "dense", "every=128"):
+            for name, path in models.items():
+                row = _conversations(path, retention, args.snapshots)
+                results[f"conversations/{retention}/{name}"] = row
+                print(f"conversations {retention:<10} {name:<20} hit rate {row['hit_rate']:.3f}  "
+                      f"snapshots {row['snapshots_held']} ({row['snapshot_bytes_held'] / 2**20:.1f} MiB)")
+    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
