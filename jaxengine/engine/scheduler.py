@@ -122,7 +122,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.release(seq)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_registered_pages = 0
         seq.junction = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -169,6 +169,7 @@ class Scheduler:
         if self.pages is not None:
             self.pages.acquire(shared)
         seq.pages, seq.num_computed, seq.junction = list(shared), hit, junction
+        seq.num_registered_pages = len(shared)
         # The last page boundary of what it must prefill (its prompt, or all its tokens when
         # recomputed after preemption): a chunk ends there so that state becomes a checkpoint.
         seq.prefill_boundary = (len(seq.tokens) // self.page_size) * self.page_size
@@ -250,8 +251,9 @@ class Scheduler:
             seq.num_computed += n
             if self.pages is not None and self.caching:
                 hashes = self._hashes(seq)
-                for i in range(seq.num_computed // self.page_size):
+                for i in range(seq.num_registered_pages, seq.num_computed // self.page_size):
                     self.pages.register(seq.pages[i], hashes[i])
+                seq.num_registered_pages = seq.num_computed // self.page_size
             if self.states is not None:
                 self._rotate_slots(seq)
 
@@ -263,22 +265,22 @@ class Scheduler:
         seq.read_slot = written
         if not self.caching or end % self.page_size or end == 0:
             return
+        kept = end in (seq.junction, seq.prefill_boundary) or (self.retention.every and end % self.retention.every == 0)
+        if not kept:
+            # A plain page boundary: keep only the latest one of this sequence (so a finished
+            # sequence leaves the last boundary it reached, and its next turn hits). The old
+            # one goes first, so the new one never evicts another prefix's checkpoint.
+            old = self.states.snapshots.get(seq.trailing_checkpoint)
+            if old is not None and old.pins == 0 and old.num_tokens < end and old.block_hash in seq.block_hashes:
+                self.states.drop(old.slot)
         block_hash = self._hashes(seq)[end // self.page_size - 1]
         if not self.states.adopt(written, block_hash, end):
             return
         seq.owned_slots.remove(written)
         seq.owned_slots.extend(self.states.alloc_live(1))
         self.states.pin(written)
-        kept = end in (seq.junction, seq.prefill_boundary) or (self.retention.every and end % self.retention.every == 0)
-        if kept:
-            return
-        # A plain page boundary: keep only the latest one of this sequence (sparse retention
-        # keeps the last boundary a finished sequence reached, so its next turn hits).
-        old = seq.trailing_checkpoint
-        ckpt = self.states.snapshots.get(old)
-        if ckpt is not None and ckpt.pins == 0 and ckpt.num_tokens < end and ckpt.block_hash in seq.block_hashes:
-            self.states.drop(old)
-        seq.trailing_checkpoint = written
+        if not kept:
+            seq.trailing_checkpoint = written
 
     def finish(self, seq: Sequence) -> None:
         """Releases a finished sequence's pages and slots (its cached ones stay reusable)."""

@@ -34,6 +34,7 @@ class Sequence:
     owned_slots: list[int] = dataclasses.field(default_factory=list)
     read_slot: int = 0
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of its full pages
+    num_registered_pages: int = 0  # its leading pages already registered in the page cache
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     junction: int = 0  # a cached-page boundary past the last checkpoint: a prefill chunk ends there
     prefill_boundary: int = 0  # the last page boundary of what its prefill covers: a chunk ends there

@@ -1,0 +1,144 @@
+"""Synthetic request traces for the prefix-cache replay, in the format of `TRACES.md`.
+
+    python scripts/make_prefix_trace.py conversations OUT.jsonl [--conversations 8] [--turns 6] \
+        [--system-tokens 500] [--message-tokens 100 300] [--output-tokens 50 150] \
+        [--order round-robin|random] [--seed 0] [--vocab-size 4096]
+    python scripts/make_prefix_trace.py system-prompt OUT.jsonl [--system-tokens 200] \
+        [--questions 16] [--message-tokens 10 40] [--output-tokens 20 60] [--seed 0]
+
+`conversations`: C multi-turn conversations sharing one system prompt, interleaved; each
+turn's input is the previous turn's input and output followed by a new user message.
+`system-prompt`: one shared system prompt followed by N distinct questions.
+Token ids are drawn uniformly from [1, vocab size); message and output lengths uniformly
+from the inclusive ranges given.
+"""
+
+import argparse
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class Request:
+    """One line of a trace."""
+
+    session_id: int
+    turn_id: int
+    input_tokens: list[int]
+    output_tokens: list[int]
+
+    def to_json(self, ts: float) -> dict:
+        return {
+            "session_id": self.session_id,
+            "turn_id": self.turn_id,
+            "ts": ts,
+            "num_input_tokens": len(self.input_tokens),
+            "num_output_tokens": len(self.output_tokens),
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+        }
+
+
+class TokenSource:
+    """Random token runs of random lengths, reproducible from a seed."""
+
+    def __init__(self, seed: int, vocab_size: int):
+        self.rng = random.Random(seed)
+        self.vocab_size = vocab_size
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(1, self.vocab_size) for _ in range(n)]
+
+    def run(self, lengths: tuple[int, int]) -> list[int]:
+        return self.tokens(self.rng.randint(*lengths))
+
+
+def conversations(src: TokenSource, *, num_conversations: int, num_turns: int, system_tokens: int,
+                  message_tokens: tuple[int, int], output_tokens: tuple[int, int], order: str) -> list[Request]:
+    """Interleaved conversations over one shared system prompt, turns in order within each."""
+    system = src.tokens(system_tokens)
+    history = [list(system) for _ in range(num_conversations)]
+    next_turn = [0] * num_conversations
+    requests = []
+    for session in _turn_order(src.rng, num_conversations, num_turns, order):
+        prompt = history[session] + src.run(message_tokens)
+        output = src.run(output_tokens)
+        requests.append(Request(session, next_turn[session], prompt, output))
+        history[session] = prompt + output
+        next_turn[session] += 1
+    return requests
+
+
+def _turn_order(rng: random.Random, num_conversations: int, num_turns: int, order: str) -> list[int]:
+    """The session of each request in arrival order."""
+    if order == "round-robin":
+        return [c for _ in range(num_turns) for c in range(num_conversations)]
+    remaining = [num_turns] * num_conversations
+    sessions = []
+    while any(remaining):
+        session = rng.choice([c for c, left in enumerate(remaining) if left])
+        remaining[session] -= 1
+        sessions.append(session)
+    return sessions
+
+
+def system_prompt(src: TokenSource, *, system_tokens: int, num_questions: int, message_tokens: tuple[int, int],
+                  output_tokens: tuple[int, int]) -> list[Request]:
+    """One shared system prompt, each question a session of its own."""
+    system = src.tokens(system_tokens)
+    return [Request(q, 0, system + src.run(message_tokens), src.run(output_tokens)) for q in range(num_questions)]
+
+
+def write_trace(requests: list[Request], path: Path) -> None:
+    """Writes one JSON line per request; `ts` is the line index in seconds."""
+    with path.open("w") as f:
+        for i, request in enumerate(requests):
+            f.write(json.dumps(request.to_json(float(i))) + "\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    kinds = parser.add_subparsers(dest="kind", required=True)
+    conv = kinds.add_parser("conversations", help="interleaved multi-turn conversations")
+    conv.add_argument("--conversations", type=int, default=8)
+    conv.add_argument("--turns", type=int, default=6)
+    conv.add_argument("--system-tokens", type=int, default=500)
+    conv.add_argument("--message-tokens", type=int, nargs=2, default=[100, 300], metavar=("MIN", "MAX"))
+    conv.add_argument("--output-tokens", type=int, nargs=2, default=[50, 150], metavar=("MIN", "MAX"))
+    conv.add_argument("--order", choices=["round-robin", "random"], default="round-robin")
+    sysp = kinds.add_parser("system-prompt", help="one shared system prompt, distinct questions")
+    sysp.add_argument("--system-tokens", type=int, default=200)
+    sysp.add_argument("--questions", type=int, default=16)
+    sysp.add_argument("--message-tokens", type=int, nargs=2, default=[10, 40], metavar=("MIN", "MAX"))
+    sysp.add_argument("--output-tokens", type=int, nargs=2, default=[20, 60], metavar=("MIN", "MAX"))
+    for sub in (conv, sysp):
+        sub.add_argument("out", type=Path, help="the JSON Lines file to write")
+        sub.add_argument("--seed", type=int, default=0)
+        sub.add_argument("--vocab-size", type=int, default=4096)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    messages, outputs = tuple(args.message_tokens), tuple(args.output_tokens)
+    for name, (low, high) in (("--message-tokens", messages), ("--output-tokens", outputs)):
+        if not 0 <= low <= high:
+            parser.error(f"{name} needs 0 <= MIN <= MAX, got {low} {high}")
+    src = TokenSource(args.seed, args.vocab_size)
+    if args.kind == "conversations":
+        requests = conversations(src, num_conversations=args.conversations, num_turns=args.turns,
+                                 system_tokens=args.system_tokens, message_tokens=messages, output_tokens=outputs,
+                                 order=args.order)
+    else:
+        requests = system_prompt(src, system_tokens=args.system_tokens, num_questions=args.questions,
+                                 message_tokens=messages, output_tokens=outputs)
+    write_trace(requests, args.out)
+    total = sum(len(r.input_tokens) for r in requests)
+    print(f"wrote {len(requests)} requests, {total} input tokens, to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

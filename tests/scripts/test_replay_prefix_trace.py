@@ -1,0 +1,152 @@
+"""The prefix-cache trace replay: hits worked out by hand from the scheduler's rules, the
+JSON report, the KV budget, and the synthetic system-prompt trace."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from jaxengine.run_config import DEFAULT_MODEL
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+HYBRID = DEFAULT_MODEL / "config.json"  # Bamba: 2 attention + 4 Mamba layers, scan chunk 64
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+replay = _script("replay_prefix_trace")
+make_trace = _script("make_prefix_trace")
+
+
+@pytest.fixture
+def llama_dir(tmp_path: Path) -> Path:
+    """A plain transformer of the default model's size: 6 attention layers, 2 KV heads of 48."""
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 192,
+        "intermediate_size": 256, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+    }
+    path = tmp_path / "llama"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _write(path: Path, requests: list[tuple[list[int], list[int]]]) -> Path:
+    with path.open("w") as f:
+        for i, (prompt, output) in enumerate(requests):
+            f.write(json.dumps({"session_id": i, "turn_id": 0, "ts": float(i), "num_input_tokens": len(prompt),
+                                "num_output_tokens": len(output), "input_tokens": prompt, "output_tokens": output}) + "\n")
+    return path
+
+
+def _run(trace: Path, config: Path, *extra: str) -> dict:
+    return replay.main([str(trace), "--model-config", str(config), *extra])
+
+
+@pytest.fixture
+def shared_prefix_trace(tmp_path: Path) -> Path:
+    """Three requests sharing a 40-token prefix, then the first one's next turn (page size 16)."""
+    prefix = list(range(1, 41))
+    a, b, c, d = ([k] * 10 for k in (101, 102, 103, 104))
+    answer = list(range(200, 220))  # 20 tokens
+    return _write(tmp_path / "trace.jsonl", [
+        (prefix + a, answer),
+        (prefix + b, [7] * 4),
+        (prefix + c, [7] * 4),
+        (prefix + a + answer + d, [7] * 4),
+    ])
+
+
+def test_hybrid_hits_only_where_a_checkpoint_was_left(shared_prefix_trace):
+    # Request 0 (50 tokens): a cold miss. Its prefill stops at 48, the prompt's last page
+    # boundary, leaving a checkpoint there; the 20 sampled tokens are computed but the last
+    # (50 + 19 = 69 tokens), so decoding crosses 64: pages 0-3 and a trailing checkpoint at 64.
+    # Request 1: pages 0-1 (tokens 0-31) match, page 2 holds other tokens; no checkpoint at 32,
+    # so it hits 0, and its prefill stops at that junction (32), leaving a checkpoint there.
+    # Request 2: pages 0-1 and the checkpoint at 32: hit 32.
+    # Request 3 (80 tokens, request 0's next turn): pages 0-3 and the checkpoint at 64: hit 64.
+    result = _run(shared_prefix_trace, HYBRID, "--budget-bytes", "1e9")
+    assert [r["hit_tokens"] for r in result["per_request"]] == [0, 0, 32, 64]
+    assert result["token_hit_rate"] == pytest.approx(96 / 230)
+
+
+def test_plain_transformer_hits_at_every_full_cached_page(shared_prefix_trace, llama_dir):
+    # Without Mamba layers any run of cached full pages is a hit: request 1 already takes
+    # pages 0-1 (32 tokens); request 3 takes pages 0-3 (64 tokens).
+    result = _run(shared_prefix_trace, llama_dir, "--budget-bytes", "1e9")
+    assert [r["hit_tokens"] for r in result["per_request"]] == [0, 32, 32, 64]
+    assert result["ssm"]["snapshots_held"] == 0
+
+
+def test_json_report_has_the_fields(shared_prefix_trace, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    _run(shared_prefix_trace, HYBRID, "--budget-bytes", "1e9", "--retention", "every=64", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert {"requests", "input_tokens", "hit_tokens", "token_hit_rate", "kv", "ssm", "per_request", "settings"} <= set(report)
+    assert {"page_bytes", "budget_bytes", "budget_pages", "live_pages", "pages_held", "bytes_held", "evictions"} <= set(report["kv"])
+    assert {"checkpoint_bytes", "budget_bytes", "budget_snapshots", "live_slots", "snapshots_held", "bytes_held",
+            "evictions"} <= set(report["ssm"])
+    # 2 layers * K and V * 16 tokens * 2 KV heads * 48 dims * 4 bytes; 4 layers * (6 heads * 64 * 64 * 4 + 512 * 4 * 4)
+    assert report["kv"]["page_bytes"] == 2 * 2 * 16 * 2 * 48 * 4
+    assert report["ssm"]["checkpoint_bytes"] == 4 * (6 * 64 * 64 * 4 + 512 * 4 * 4)
+    assert report["kv"]["bytes_held"] == report["kv"]["pages_held"] * report["kv"]["page_bytes"]
+    assert report["requests"] == 4 and report["input_tokens"] == 230
+    assert "token hit rate: " in capsys.readouterr().out
+
+
+def test_kv_budget_is_applied_after_each_request(shared_prefix_trace):
+    page = 2 * 2 * 16 * 2 * 48 * 4
+    result = _run(shared_prefix_trace, HYBRID, "--kv-budget-bytes", str(3 * page), "--ssm-budget-bytes", "1e9")
+    assert result["kv"]["budget_pages"] == 3 and result["kv"]["pages_held"] <= 3
+    assert result["kv"]["evictions"] > 0
+
+
+def test_a_trace_without_token_ids_is_refused(tmp_path):
+    trace = tmp_path / "counts.jsonl"
+    trace.write_text(json.dumps({"session_id": 0, "turn_id": 0, "num_input_tokens": 5, "num_output_tokens": 2}) + "\n")
+    with pytest.raises(ValueError, match="input_tokens"):
+        replay.load_trace(trace)
+    with pytest.raises(SystemExit):
+        _run(trace, HYBRID, "--budget-bytes", "1e9")
+
+
+def test_shared_system_prompt_hits_from_the_third_request(tmp_path, llama_dir):
+    # 200-token system prompt: 12 full pages (192). The second request stops its prefill at
+    # that junction, so the hybrid hits 192 from the third request on; the plain transformer
+    # from the second.
+    trace = tmp_path / "system.jsonl"
+    make_trace.main(["system-prompt", str(trace), "--system-tokens", "200", "--questions", "5"])
+    hybrid = _run(trace, HYBRID, "--budget-bytes", "1e9")
+    assert [r["hit_tokens"] for r in hybrid["per_request"]] == [0, 0, 192, 192, 192]
+    llama = _run(trace, llama_dir, "--budget-bytes", "1e9")
+    assert [r["hit_tokens"] for r in llama["per_request"]] == [0, 192, 192, 192, 192]
+
+
+def test_conversation_turns_extend_the_previous_turn(tmp_path):
+    trace = tmp_path / "conv.jsonl"
+    make_trace.main(["conversations", str(trace), "--conversations", "3", "--turns", "4", "--system-tokens", "50",
+                     "--order", "random", "--seed", "7"])
+    requests = replay.load_trace(trace)
+    assert len(requests) == 12
+    system = requests[0].input_tokens[:50]
+    last = {}
+    for r in requests:
+        assert r.input_tokens[:50] == system
+        if r.session_id in last:
+            previous = last[r.session_id]
+            assert r.turn_id == previous.turn_id + 1
+            history = previous.input_tokens + previous.output_tokens
+            assert r.input_tokens[: len(history)] == history and len(r.input_tokens) >= len(history) + 100
+        else:
+            assert r.turn_id == 0
+        last[r.session_id] = r
