@@ -6,8 +6,9 @@ evict a snapshot. A checkpoint is the state (conv + SSM) after exactly `num_toke
 of a prefix, named by the block hash of that prefix (its length is a page multiple).
 
 Eviction among unpinned snapshots weighs recency against the compute a hit saves per byte
-held (after Marconi, MLSys 2025): utility = recency + alpha * flop_efficiency, each scaled
-to [0, 1] over the candidates; the lowest utility goes first. alpha = 0 is plain LRU.
+held (after Marconi, MLSys 2025): utility = recency + alpha * flop_efficiency, recency scaled
+to [0, 1] over the candidates and saved compute relative to the largest (every snapshot holds
+the same bytes); the lowest utility goes first. alpha = 0 is plain LRU.
 """
 
 import dataclasses
@@ -141,10 +142,11 @@ class StateCache:
 
     def _utility(self, candidates: list[Checkpoint]) -> Callable[[Checkpoint], float]:
         times = [c.last_access for c in candidates]
-        gains = [self.flops_saved(c.num_tokens) for c in candidates]
         t_lo, t_span = min(times), (max(times) - min(times)) or 1
-        g_lo, g_span = min(gains), (max(gains) - min(gains)) or 1
-        return lambda c: (c.last_access - t_lo) / t_span + self.alpha * (self.flops_saved(c.num_tokens) - g_lo) / g_span
+        # Saved compute relative to the largest: min-max scaling would blow small differences
+        # in prefix length up to the full [0, 1] range and let them outweigh recency.
+        g_max = max(self.flops_saved(c.num_tokens) for c in candidates) or 1
+        return lambda c: (c.last_access - t_lo) / t_span + self.alpha * self.flops_saved(c.num_tokens) / g_max
 
     def reserve(self, block_hash: bytes, num_tokens: int) -> int | None:
         """A snapshot slot for a checkpoint a step will write (dense scan checkpoints).
