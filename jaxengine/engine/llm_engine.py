@@ -277,7 +277,8 @@ class LLMEngine:
                 batch, _ = self.builder.build(ScheduledStep([seq], [n]), shape)
                 rows.append(np.asarray(self.runner.logits(batch, all_logits=True))[:n])
                 seq.num_computed += n
-                seq.read_slot = seq.write_slot
+                if seq.owned_slots:
+                    seq.read_slot = seq.write_slot
         finally:
             sched.release(seq)
         return np.concatenate(rows)

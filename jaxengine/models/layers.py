@@ -138,6 +138,6 @@ class Moe(nnx.Module):
             h = activation(self.cfg.expert.activation, gate) * up
         else:
             h = activation(self.cfg.expert.activation, up)
-        out = jnp.einsum("tef,efd->ted", h, self.experts_down[...], preferred_element_type=jnp.float32)
-        routed = jnp.einsum("ted,te->td", out, combine).astype(x.dtype)
+        out = jnp.einsum("tef,efd->ted", h, self.experts_down[...]).astype(jnp.float32)
+        routed = jnp.einsum("ted,te->td", out, combine).astype(x.dtype)  # experts summed in float32
         return routed + self.shared(x)

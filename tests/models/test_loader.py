@@ -1,0 +1,237 @@
+"""Checkpoint loading: sharded and tied checkpoints, error messages, config quirks, Orbax.
+
+Most tests start from a saved tiny Bamba model (attention and Mamba layers, so every kind of
+tensor conversion), copy it, break one thing and check the error names it. Tests that run
+the engine use the parity prompt length, so their step shapes are already compiled when the
+whole directory runs.
+"""
+
+import json
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+from transformers import PreTrainedModel
+
+from jaxengine import LLM
+from jaxengine.models.config import load_model_config
+from jaxengine.models.loader import CONVERTED_PARAMS_DIR, load_model, save_params
+from tests.models.tiny_models import (
+    ENGINE_ARGS,
+    FLOAT32_ATOL,
+    build_tiny_model,
+    hf_logits,
+    max_abs_diff,
+    random_prompt,
+    save_tiny_model,
+)
+
+PROMPT = random_prompt(29, seed=1)
+SUPPORTED = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def bamba(tmp_path_factory) -> tuple[Path, PreTrainedModel]:
+    """A saved tiny Bamba checkpoint (never modified) and its torch model."""
+    path = tmp_path_factory.mktemp("bamba")
+    return path, save_tiny_model("bamba", path)
+
+
+@pytest.fixture
+def bamba_copy(bamba, tmp_path) -> Path:
+    """A private copy of the Bamba checkpoint that a test may break."""
+    return Path(shutil.copytree(bamba[0], tmp_path / "model"))
+
+
+def engine_logits(path: Path) -> np.ndarray:
+    """float32 `prompt_logits` of `PROMPT` from a fresh engine on `path`."""
+    return LLM(path, dtype="float32", **ENGINE_ARGS).prompt_logits(PROMPT)
+
+
+def edit_tensors(path: Path, edit: Callable[[dict[str, np.ndarray]], None]) -> None:
+    """Rewrites `path/model.safetensors` after `edit` changed its tensor dict in place."""
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def edit_config(path: Path, edit: Callable[[dict], None]) -> None:
+    """Rewrites `path/config.json` after `edit` changed the parsed dict in place."""
+    file = path / "config.json"
+    config = json.loads(file.read_text())
+    edit(config)
+    file.write_text(json.dumps(config))
+
+
+def flat_params(state: nnx.State) -> dict[str, np.ndarray]:
+    """{"layers/0/mamba/A_log": array, ...} of a loaded parameter state."""
+    leaves = jax.tree_util.tree_flatten_with_path(state.to_pure_dict())[0]
+    return {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(leaf) for path, leaf in leaves}
+
+
+def assert_same_params(a: nnx.State, b: nnx.State) -> None:
+    """Same parameter names, dtypes and bit-identical values."""
+    fa, fb = flat_params(a), flat_params(b)
+    assert fa.keys() == fb.keys()
+    for name, value in fa.items():
+        assert value.dtype == fb[name].dtype, name
+        np.testing.assert_array_equal(value, fb[name], err_msg=name)
+
+
+# ---------------------------------------------------------------------------- checkpoint layouts
+
+
+@pytest.mark.parametrize("arch", ["bamba", "nemotron_h"])
+def test_sharded_checkpoint_loads_like_single_file(arch, tmp_path):
+    model = build_tiny_model(arch)
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    model.save_pretrained(single)
+    model.save_pretrained(sharded, max_shard_size="20KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert not (sharded / "model.safetensors").exists()
+
+    assert_same_params(load_model(sharded)[2], load_model(single)[2])
+    logits = engine_logits(sharded)
+    np.testing.assert_array_equal(logits, engine_logits(single))
+    assert max_abs_diff(logits, hf_logits(model, PROMPT)) <= FLOAT32_ATOL
+
+
+def test_tied_embeddings_match_hf(tmp_path):
+    model = save_tiny_model("mamba2", tmp_path, tie=True)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    assert load_model_config(tmp_path).tie_word_embeddings
+    assert max_abs_diff(engine_logits(tmp_path), hf_logits(model, PROMPT)) <= FLOAT32_ATOL
+
+
+def test_converted_orbax_params_round_trip(bamba, tmp_path):
+    """`save_params` output next to config.json loads bit-identically to the safetensors."""
+    path, _ = bamba
+    _, _, state = load_model(path)
+    shutil.copy(path / "config.json", tmp_path)
+    save_params(state, tmp_path)
+    assert (tmp_path / CONVERTED_PARAMS_DIR).is_dir()
+    assert not list(tmp_path.glob("*.safetensors"))
+
+    assert_same_params(load_model(tmp_path)[2], state)
+    np.testing.assert_array_equal(engine_logits(tmp_path), engine_logits(path))
+
+
+# ---------------------------------------------------------------------------- tensor errors
+
+
+def _delete(name: str) -> Callable[[dict], None]:
+    return lambda tensors: tensors.pop(name)
+
+
+def _add(name: str, shape: tuple[int, ...]) -> Callable[[dict], None]:
+    return lambda tensors: tensors.update({name: np.zeros(shape, np.float32)})
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        pytest.param(
+            _delete("model.layers.0.mamba.A_log"),
+            r"missing tensors for parameters layers/0/mamba/A_log$",
+            id="missing",
+        ),
+        pytest.param(
+            _add("model.layers.0.mamba.extra.weight", (4, 4)),
+            r"unexpected tensor 'model\.layers\.0\.mamba\.extra\.weight' with shape \(4, 4\)",
+            id="unknown-name",
+        ),
+        pytest.param(  # a well-formed name, but layer 0 is a Mamba layer and has no attention
+            _add("model.layers.0.self_attn.q_proj.weight", (64, 64)),
+            r"unexpected tensor 'model\.layers\.0\.self_attn\.q_proj\.weight' \(no parameter layers/0/attention/q_proj/kernel\)",
+            id="no-such-parameter",
+        ),
+        pytest.param(
+            _add("model.layers.0.mamba.conv1d.weight", (192, 1, 3)),
+            r"tensor 'model\.layers\.0\.mamba\.conv1d\.weight' has shape \(192, 1, 3\), expected \(192, 1, 4\)",
+            id="misshaped-conv",
+        ),
+        pytest.param(
+            _add("model.layers.1.self_attn.k_proj.weight", (64, 64)),
+            r"tensor 'model\.layers\.1\.self_attn\.k_proj\.weight' has shape \(64, 64\), expected \(32, 64\)",
+            id="misshaped-linear",
+        ),
+    ],
+)
+def test_bad_tensor_is_named(bamba_copy, edit, message):
+    edit_tensors(bamba_copy, edit)
+    with pytest.raises(ValueError, match=message):
+        load_model(bamba_copy)
+
+
+# ---------------------------------------------------------------------------- config errors
+
+
+def test_unsupported_architecture_lists_supported(bamba_copy):
+    edit_config(bamba_copy, lambda c: c.update(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'; supported: ") as err:
+        load_model(bamba_copy)
+    for name in SUPPORTED:
+        assert name in str(err.value)
+
+
+def _yarn(config: dict) -> None:
+    config["rope_parameters"].update(rope_type="yarn", factor=4.0, original_max_position_embeddings=128)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        pytest.param(
+            lambda c: c.update(hidden_act="gelu"),
+            r"BambaForCausalLM: unsupported value hidden_act='gelu'; supported: silu",
+            id="hidden_act",
+        ),
+        pytest.param(
+            _yarn,
+            r"BambaForCausalLM: unsupported value rope_parameters\.rope_type='yarn'; supported: 'default'",
+            id="rope_type",
+        ),
+    ],
+)
+def test_unsupported_field_value_is_named(bamba_copy, edit, message):
+    edit_config(bamba_copy, edit)
+    with pytest.raises(ValueError, match=message):
+        load_model(bamba_copy)
+
+
+def test_float16_is_rejected(bamba):
+    path, _ = bamba
+    with pytest.raises(ValueError, match=r"unsupported dtype='float16'; supported: float32, bfloat16"):
+        load_model(path, "float16")
+    with pytest.raises(ValueError, match=r"dtype.*'float16'"):
+        LLM(path, dtype="float16", **ENGINE_ARGS)
+
+
+# ---------------------------------------------------------------------------- config quirks
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "bamba"])
+def test_time_step_limit_with_encoded_infinity(arch, tmp_path):
+    """save_pretrained writes the infinite upper limit as {"__float__": "Infinity"}."""
+    save_tiny_model(arch, tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())["time_step_limit"]
+    assert written == [0.0, {"__float__": "Infinity"}]
+    assert load_model_config(tmp_path).mamba.time_step_limit == (0.0, math.inf)
+
+
+@pytest.mark.parametrize(
+    "limit, expected",
+    [([0.0, {"__float__": "Infinity"}], (0.0, math.inf)), ([0.0, math.inf], (0.0, math.inf)), ([0.01, 5.0], (0.01, 5.0))],
+)
+def test_time_step_limit_forms(bamba_copy, limit, expected):
+    """The limit as HF encodes it, as a bare JSON `Infinity`, and finite."""
+    edit_config(bamba_copy, lambda c: c.update(time_step_limit=limit))
+    assert load_model_config(bamba_copy).mamba.time_step_limit == expected
