@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 from jaxengine.models.config import ModelConfig
+from jaxengine.models.kernels import KERNELS
 
 DEFAULT_COMPILATION_CACHE = Path("~/.cache/jaxengine/xla")
 
@@ -28,7 +29,7 @@ class EngineConfig:
     ssm_retention: str = "sparse"  # "dense", "sparse" or "every=N"
     ssm_eviction_alpha: float = 1.0  # weight of saved compute vs recency when evicting checkpoints
     max_logprobs: int = 20
-    kernels: str = "reference"
+    kernels: str = "auto"  # see jaxengine/models/kernels.py
     compilation_cache_dir: str | None = str(DEFAULT_COMPILATION_CACHE)  # None: no persistent cache
     warm_up: bool = True
     seed: int = 0
@@ -53,6 +54,8 @@ class EngineConfig:
             raise ValueError("give num_ssm_snapshot_slots or ssm_snapshot_memory_bytes, not both")
         if not isinstance(self.ssm_eviction_alpha, (int, float)) or self.ssm_eviction_alpha < 0:
             raise ValueError(f"engine argument ssm_eviction_alpha must be >= 0, got {self.ssm_eviction_alpha!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"engine argument kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"engine argument dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.num_kv_pages is not None and self.kv_cache_memory_bytes is not None:

@@ -41,7 +41,7 @@ class DecoderLayer(nnx.Module):
 class HybridLM(nnx.Module):
     """A causal language model over the paged KV pool and the SSM state pool."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, kernels: str = "reference"):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, kernels: str = "auto"):
         self.cfg = cfg
         self.kernels = kernels
         self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))  # [V, D]

@@ -212,7 +212,7 @@ def _read_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, kernels: str = "reference") -> HybridLM:
+def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, kernels: str = "auto") -> HybridLM:
     """The model's structure with shapes and dtypes but no values."""
     return nnx.eval_shape(lambda: HybridLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), kernels=kernels))
 
@@ -277,7 +277,7 @@ def _unflat(flat: dict[Path_, object]) -> dict:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "float32", kernels: str = "reference"
+    model_dir: str | Path, dtype: str = "float32", kernels: str = "auto"
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
     """Loads a model directory (Hugging Face, or converted by `jaxengine convert`).
 
