@@ -1,0 +1,909 @@
+"""One-command device check of the GPU kernels and the engine on one CUDA GPU.
+
+Usage (from the repository root; under 8 minutes on one H200, compile times included):
+  python scripts/device_check.py [--quick] [--parts kernels,engine] [--json device_check.json] [--budget-s 420]
+
+What it measures:
+  1. Roofline: HBM bandwidth (best of several `a * 2` passes over a 2 GiB float32 array,
+     read + write counted) and the bf16 matmul rate (best of several 8192^3 matmuls). A
+     floor is max(bytes / bandwidth, FLOPs / matmul rate), and "% of floor" is
+     100 * floor / measured time (100% = at the floor).
+  2. Kernels: the GPU Pallas kernels against the pure-jnp references, both jitted on the
+     device, on real shapes. Ragged paged attention (32 query heads, 8 KV heads, head dim
+     128, pages of 16, bf16): a decode batch (64 sequences, contexts 2k-8k) and a mixed
+     batch (prefill chunks of 512, 256, 128 and 64 tokens plus 60 decodes, contexts up to
+     4k). The ragged SSD scan (head dim 64, state 128, chunk 256): a prefill batch of
+     4 x 2048 tokens (two continuing at positions 256 and 1000) with bf16 inputs and 128
+     heads, the same with float32 inputs and 64 heads, and a decode-ish batch (64
+     sequences of 1-8 tokens at positions up to 8000; 128 heads in 8 groups).
+     Correctness: max abs error against the reference run at float32 matmul precision
+     (XLA may use TF32 for float32 dots by default), within the tolerances below.
+     Timing: median of 20 runs after a warm-up, each waited for with block_until_ready;
+     the reference at default precision, as the engine runs it. Floors: the bytes each
+     kernel must move once (q, out and every context's keys and values; the SSD inputs,
+     states in and out, y) and the FLOPs of the causal products.
+  3. Engine: a random 1.05B-parameter hybrid Bamba (hidden 2048, 16 layers of which 3
+     attention with 16 heads of 128 over 4 KV heads, Mamba heads 64 x 64, state 128,
+     chunk 256, vocab 32k) built from `BambaConfig`, saved to a temporary directory and
+     served in bf16 with kernels="auto" and with kernels="reference". Decode: 64 prompts
+     of 32 tokens, 128 greedy tokens each; tokens/s = 64 / mean time per output token;
+     floor = moving every weight but the input embedding plus each sequence's float32 SSM
+     states (read and written) and its KV once per step. Prefill: 8 prompts of 2048
+     tokens, one output token each; tokens/s = prompt tokens / generate wall time; floor
+     = 2 FLOPs per layer weight per token plus causal attention. Also load and first-run
+     (compile) times, and whether both modes pick the same first greedy token. Medians
+     of 3 timed runs of each kind; each mode's untimed first runs have the timed runs'
+     shapes, so the timed runs compile nothing (checked), and every run gets fresh
+     prompts (no prefix-cache hits). Decode steps use the kernels for attention only
+     (the one-token SSD update is always the reference); prefill uses both kernels.
+
+Tolerances: attention (bf16) 2^-6 * max|v|, v uniform in [-1, 1] (each side rounds the
+probabilities and the output to bf16; see tests/pallas_kernels); queries are scaled so the
+softmax is peaked and a wrong page or mask moves outputs by O(1). SSD: 5e-4 of each
+output's largest magnitude (y, final states, states of used chunk rows; the kernel tests
+allow 1e-4 at small shapes, here a value sums up to 256 x 128 products), and the row
+layout exactly. Engine: at most 25% of requests may differ in their first greedy token
+(bf16 rounding can only flip near-ties, which the random lm_head makes rare by spreading
+the logits to a std of ~4.5; a broken kernel changes almost every token).
+
+A global deadline (--budget-s, from the start of main) skips the checks that would not
+fit in it, each with a "skipped (time)" row. --quick runs tiny shapes and a tiny model;
+without a GPU the kernels run in interpret mode (the engine with
+kernels="pallas-interpret-gpu"), which exercises this script's logic on CPU (its timings
+mean nothing). The report goes to the JSON file (device, jax version, date, every row with
+its details) and a short table is printed last. Exit status 1 if a check failed or errored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.ragged_paged_attention import kernel_gpu as attention_gpu
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+from pallas_kernels.ssd import kernel_gpu as ssd_gpu
+from pallas_kernels.ssd.reference import RaggedScanOutput, ragged_ssd_scan
+
+PARTS = ("kernels", "engine")
+SKIPPED = "skipped (time)"
+ATTENTION_TOL = 2.0**-6  # x max|v|, and v is uniform in [-1, 1]
+Q_SCALE = 3.0  # query scale: score std 3, so a few keys dominate each softmax
+SSD_RTOL = 5e-4  # x each output's largest magnitude
+FIRST_TOKEN_TOL = 0.25  # fraction of requests whose first greedy token may differ
+SEED = 0
+
+if TYPE_CHECKING:
+    import torch
+
+    from jaxengine.engine.outputs import RequestOutput
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    name: str
+    q_lens: tuple[int, ...]  # query tokens per sequence
+    kv_lens: tuple[int, ...]  # context per sequence, this step's tokens included
+    num_pad: int  # padding tokens after the last sequence
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int = 16
+    dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class SsdCase:
+    name: str
+    lengths: tuple[int, ...]  # tokens per sequence
+    start_pos: tuple[int, ...]  # absolute position of each sequence's first token
+    num_pad: int
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    state_size: int
+    chunk_size: int
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    decode_batch: int  # also max_num_seqs
+    decode_prompt_len: int  # decode_batch * decode_prompt_len == step_tokens: one prefill step
+    decode_tokens: int
+    prefill_prompts: int
+    prefill_len: int  # step_tokens (one prompt per step), or step_tokens / prefill_prompts (one step)
+    step_tokens: int  # max_num_batched_tokens
+    repeats: int  # timed runs of each kind
+    bamba: dict[str, Any]  # BambaConfig arguments
+
+    @property
+    def max_model_len(self) -> int:
+        return max(self.prefill_len, self.decode_prompt_len) + max(self.decode_tokens, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    copy_bytes: int  # bandwidth probe size
+    matmul_size: int  # matmul probe: n x n x n
+    roofline_repeats: int
+    kernel_repeats: int
+    attention: tuple[AttentionCase, ...]
+    ssd: tuple[SsdCase, ...]
+    engine: EngineSpec
+    kernel_case_s: float  # time a kernel case may take (for the deadline)
+    engine_build_s: float
+    engine_mode_s: float
+
+
+def _lengths(rng: np.random.Generator, n: int, low: int, high: int) -> tuple[int, ...]:
+    return tuple(int(v) for v in rng.integers(low, high + 1, n))
+
+
+def full_plan() -> Plan:
+    rng = np.random.default_rng(SEED)
+    heads = dict(q_heads=32, kv_heads=8, head_dim=128)
+    decode_kv = _lengths(rng, 64, 2048, 8192)
+    mixed_kv = (512, 1024, 3000, 4096) + _lengths(rng, 60, 1024, 4096)
+    mixed_q = (512, 256, 128, 64) + (1,) * 60
+    ssd = dict(head_dim=64, state_size=128, chunk_size=256)
+    prefill = dict(lengths=(2048,) * 4, start_pos=(0, 0, 256, 1000), num_pad=0)
+    decodeish = dict(lengths=_lengths(rng, 64, 1, 8), start_pos=_lengths(rng, 64, 0, 8000), num_pad=16)
+    bamba = dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        attn_layer_indices=[4, 9, 14],
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        mamba_n_heads=64,
+        mamba_d_head=64,
+        mamba_expand=2,
+        mamba_d_state=128,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_chunk_size=256,
+        max_position_embeddings=4096,
+    )
+    return Plan(
+        copy_bytes=2 * 2**30,
+        matmul_size=8192,
+        roofline_repeats=10,
+        kernel_repeats=20,
+        attention=(
+            AttentionCase("attention decode bf16", (1,) * 64, decode_kv, 0, **heads),
+            AttentionCase("attention mixed bf16", mixed_q, mixed_kv, 4, **heads),
+        ),
+        ssd=(
+            SsdCase("ssd prefill bf16", num_heads=128, num_groups=1, dtype="bfloat16", **prefill, **ssd),
+            SsdCase("ssd prefill f32", num_heads=64, num_groups=1, dtype="float32", **prefill, **ssd),
+            SsdCase("ssd decode-ish bf16", num_heads=128, num_groups=8, dtype="bfloat16", **decodeish, **ssd),
+        ),
+        engine=EngineSpec(
+            decode_batch=64,
+            decode_prompt_len=32,
+            decode_tokens=128,
+            prefill_prompts=8,
+            prefill_len=2048,
+            step_tokens=2048,
+            repeats=3,
+            bamba=bamba,
+        ),
+        kernel_case_s=30,
+        engine_build_s=30,
+        engine_mode_s=120,
+    )
+
+
+def quick_plan() -> Plan:
+    """Tiny shapes with the same structure, for a smoke run (interpret mode on CPU)."""
+    heads = dict(q_heads=8, kv_heads=2, head_dim=32)
+    ssd = dict(num_heads=2, num_groups=1, head_dim=64, state_size=32, chunk_size=64)
+    bamba = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        attn_layer_indices=[1],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=2,
+        mamba_d_head=64,
+        mamba_expand=2,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_chunk_size=8,
+        max_position_embeddings=256,
+    )
+    return Plan(
+        copy_bytes=32 * 2**20,
+        matmul_size=256,
+        roofline_repeats=3,
+        kernel_repeats=1,
+        attention=(
+            AttentionCase("attention decode bf16", (1,) * 4, (20, 33, 48, 70), 0, **heads),
+            AttentionCase("attention mixed bf16", (9, 5, 1, 1, 1), (9, 30, 10, 17, 40), 3, **heads),
+        ),
+        ssd=(
+            SsdCase("ssd prefill bf16", (40, 30), (0, 50), 0, dtype="bfloat16", **ssd),
+            SsdCase("ssd prefill f32", (40, 30), (0, 50), 0, dtype="float32", **ssd),
+            SsdCase("ssd decode-ish bf16", (1, 3, 2, 1), (0, 63, 64, 150), 5, dtype="bfloat16", **ssd),
+        ),
+        engine=EngineSpec(
+            decode_batch=4,
+            decode_prompt_len=8,
+            decode_tokens=4,
+            prefill_prompts=4,
+            prefill_len=8,
+            step_tokens=32,
+            repeats=1,
+            bamba=bamba,
+        ),
+        kernel_case_s=20,
+        engine_build_s=5,
+        engine_mode_s=30,
+    )
+
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the report. `kernel` / `reference` are times in ms, or throughputs."""
+
+    part: str
+    name: str
+    status: str  # pass, fail, ok (measurement only), skipped (time), error: ...
+    error: float | None = None
+    tol: float | None = None
+    kernel: float | None = None  # the Pallas kernel, or the engine with kernels="auto"
+    reference: float | None = None
+    unit: str = ""
+    kernel_floor_pct: float | None = None
+    reference_floor_pct: float | None = None
+    note: str = ""
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float | None:
+        """How many times faster the kernel side is."""
+        if self.kernel is None or self.reference is None:
+            return None
+        if self.unit == "ms":
+            return self.reference / self.kernel
+        return self.kernel / self.reference if self.unit == "tok/s" else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    bandwidth: float  # bytes/s
+    matmul_rate: float  # bf16 FLOP/s
+
+    def floor_s(self, num_bytes: float, flops: float) -> float:
+        return max(num_bytes / self.bandwidth, flops / self.matmul_rate)
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One compared output."""
+
+    name: str
+    error: float
+    tol: float
+
+    @property
+    def ratio(self) -> float:
+        return self.error / self.tol if self.tol > 0 else (0.0 if self.error == 0 else math.inf)
+
+
+class Deadline:
+    def __init__(self, budget_s: float):
+        self.start = time.monotonic()
+        self.end = self.start + budget_s
+
+    def allows(self, seconds: float) -> bool:
+        """Whether a step of about `seconds` still fits."""
+        return time.monotonic() + seconds <= self.end
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+
+def error_status(e: Exception) -> str:
+    message = str(e).splitlines()[0][:160] if str(e) else ""
+    return f"error: {type(e).__name__}: {message}"
+
+
+def guarded(part: str, name: str, fn: Callable[..., Row | list[Row]], *args: Any) -> list[Row]:
+    """Runs `fn(*args)`; an exception becomes an error row (traceback on stderr), so the
+    other checks still run."""
+    try:
+        result = fn(*args)
+    except Exception as e:  # one failed check must not end the run
+        traceback.print_exc()
+        return [Row(part, name, error_status(e))]
+    return [result] if isinstance(result, Row) else result
+
+
+def log(deadline: Deadline, message: str) -> None:
+    print(f"[{deadline.elapsed():5.0f} s] {message}", flush=True)
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def random_key() -> jax.Array:
+    """The inputs' seed; the "rbg" generator compiles faster than the default threefry."""
+    return jax.random.key(SEED, impl="rbg")
+
+
+def call_times(fn: Callable, args: Sequence, repeats: int) -> list[float]:
+    """Seconds of `repeats` calls, each waited for with block_until_ready."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def timed_s(fn: Callable, args: Sequence, repeats: int) -> tuple[Any, float, float]:
+    """The first call's result and seconds (compile included), and the median seconds of
+    `repeats` further calls."""
+    start = time.perf_counter()
+    result = jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - start
+    return result, first, statistics.median(call_times(fn, args, repeats))
+
+
+def measure_roofline(plan: Plan) -> Row:
+    """Best HBM bandwidth and bf16 matmul rate; the row's details hold the `Roofline`."""
+    x = jnp.ones((plan.copy_bytes // 4,), jnp.float32)
+    double = jax.jit(lambda a: a * 2)
+    jax.block_until_ready(double(x))
+    bandwidth = 2 * x.nbytes / min(call_times(double, (x,), plan.roofline_repeats))
+    del x
+    n = plan.matmul_size
+    a = jax.random.normal(random_key(), (n, n), jnp.bfloat16)
+    matmul = jax.jit(jnp.matmul)
+    jax.block_until_ready(matmul(a, a))
+    rate = 2 * n**3 / min(call_times(matmul, (a, a), plan.roofline_repeats))
+    roofline = Roofline(bandwidth, rate)
+    note = f"HBM {bandwidth / 1e9:,.0f} GB/s, bf16 matmul {rate / 1e12:.1f} TFLOP/s"
+    return Row("roofline", "roofline", "ok", note=note, details=dataclasses.asdict(roofline))
+
+
+# ---------------------------------------------------------------------------- kernels
+
+
+def attention_inputs(case: AttentionCase) -> tuple[jax.Array, ...]:
+    """q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens; pages shuffled, page 0 the null sink."""
+    rng = np.random.default_rng(SEED)
+    needed = [-(-kv // case.page_size) for kv in case.kv_lens]
+    num_pages = 1 + sum(needed)
+    order = rng.permutation(np.arange(1, num_pages, dtype=np.int32))
+    page_indices = np.zeros((len(needed), max(needed)), np.int32)
+    for s, (first, n) in enumerate(zip(np.cumsum([0, *needed[:-1]]), needed)):
+        page_indices[s, :n] = order[first : first + n]
+    cu_q_lens = np.concatenate([[0], np.cumsum(case.q_lens)]).astype(np.int32)
+    num_tokens = int(cu_q_lens[-1]) + case.num_pad
+    dtype = jnp.dtype(case.dtype)
+    page_shape = (num_pages, case.page_size, case.kv_heads, case.head_dim)
+
+    @jax.jit  # one compile, and drawn on the device
+    def draw(key: jax.Array) -> tuple[jax.Array, ...]:
+        kq, kk, kv = jax.random.split(key, 3)
+        q = Q_SCALE * jax.random.normal(kq, (num_tokens, case.q_heads, case.head_dim), jnp.float32)
+        return (
+            q.astype(dtype),
+            jax.random.normal(kk, page_shape, dtype),
+            jax.random.uniform(kv, page_shape, dtype, -1, 1),
+        )
+
+    ints = (np.asarray(case.kv_lens, np.int32), page_indices, cu_q_lens)
+    return (*draw(random_key()), *(jnp.asarray(a) for a in ints))
+
+
+def attention_cost(case: AttentionCase) -> tuple[float, float]:
+    """(bytes, FLOPs): q, out and each context's keys and values once; QK and PV over visible keys."""
+    itemsize = jnp.dtype(case.dtype).itemsize
+    num_tokens = sum(case.q_lens) + case.num_pad
+    kv_bytes = 2 * sum(case.kv_lens) * case.kv_heads * case.head_dim * itemsize
+    visible = sum(q * kv - q * (q - 1) // 2 for q, kv in zip(case.q_lens, case.kv_lens))
+    return (
+        kv_bytes + 2 * num_tokens * case.q_heads * case.head_dim * itemsize,
+        4 * case.q_heads * case.head_dim * visible,
+    )
+
+
+def max_abs(a: jax.Array, b: jax.Array) -> float:
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+def attention_checks(got: jax.Array, want: jax.Array) -> list[Check]:
+    return [Check("out", max_abs(got, want), ATTENTION_TOL)]
+
+
+def ssd_inputs(case: SsdCase) -> tuple[jax.Array, ...]:
+    """x, dt, A, B, C, init_states, cu_seqlens, start_pos; dt in [1e-3, 0.1], A in [-16, -1]."""
+    num_tokens = sum(case.lengths) + case.num_pad
+    h, g, p, n = case.num_heads, case.num_groups, case.head_dim, case.state_size
+    dtype, f32 = jnp.dtype(case.dtype), jnp.float32
+
+    @jax.jit  # one compile, and drawn on the device
+    def draw(key: jax.Array) -> tuple[jax.Array, ...]:
+        kx, kdt, ka, kb, kc, ks = jax.random.split(key, 6)
+        return (
+            jax.random.normal(kx, (num_tokens, h, p), dtype),
+            jnp.exp(jax.random.uniform(kdt, (num_tokens, h), f32, math.log(1e-3), math.log(0.1))),
+            -jnp.exp(jax.random.uniform(ka, (h,), f32, 0.0, math.log(16.0))),
+            jax.random.normal(kb, (num_tokens, g, n), dtype),
+            jax.random.normal(kc, (num_tokens, g, n), dtype),
+            jax.random.normal(ks, (len(case.lengths), h, p, n), f32),
+        )
+
+    cu_seqlens = np.concatenate([[0], np.cumsum(case.lengths)]).astype(np.int32)
+    return (*draw(random_key()), jnp.asarray(cu_seqlens), jnp.asarray(case.start_pos, jnp.int32))
+
+
+def ssd_rows(case: SsdCase) -> list[int]:
+    """Tokens of each (sequence, absolute chunk) row."""
+    rows = []
+    for length, start in zip(case.lengths, case.start_pos):
+        pos, end = start, start + length
+        while pos < end:
+            nxt = min((pos // case.chunk_size + 1) * case.chunk_size, end)
+            rows.append(nxt - pos)
+            pos = nxt
+    return rows
+
+
+def ssd_cost(case: SsdCase) -> tuple[float, float]:
+    """(bytes, FLOPs): inputs and init states read, y, chunk states and final states written
+    once; per row of L tokens the causal C B^T and scores x products plus the state in/out ones."""
+    itemsize = jnp.dtype(case.dtype).itemsize
+    h, g, p, n = case.num_heads, case.num_groups, case.head_dim, case.state_size
+    num_tokens, num_seqs, rows = sum(case.lengths) + case.num_pad, len(case.lengths), ssd_rows(case)
+    state = h * p * n * 4
+    inputs = num_tokens * (h * p * itemsize + h * 4 + 2 * g * n * itemsize)
+    num_bytes = inputs + num_tokens * h * p * 4 + (2 * num_seqs + len(rows)) * state
+    flops = sum(L * (L + 1) // 2 * 2 * (n * g + p * h) + 4 * L * p * n * h for L in rows)
+    return num_bytes, flops
+
+
+def ssd_checks(got: RaggedScanOutput, want: RaggedScanOutput) -> list[Check]:
+    """y, final states and the states of used rows within SSD_RTOL of their magnitude; the
+    row layout exactly."""
+    used = (want.chunk_seq < want.final_states.shape[0])[:, None, None, None]
+    pairs = {
+        "y": (got.y, want.y),
+        "final_states": (got.final_states, want.final_states),
+        "chunk_states": (jnp.where(used, got.chunk_states, 0), jnp.where(used, want.chunk_states, 0)),
+    }
+    checks = [Check(k, max_abs(a, b), SSD_RTOL * float(jnp.max(jnp.abs(b)))) for k, (a, b) in pairs.items()]
+    same = bool(jnp.array_equal(got.chunk_seq, want.chunk_seq) & jnp.array_equal(got.chunk_end, want.chunk_end))
+    return [*checks, Check("row layout", 0.0 if same else 1.0, 0.0)]
+
+
+def kernel_row(
+    name: str,
+    kernel: Callable,
+    reference: Callable,
+    args: tuple[jax.Array, ...],
+    checks: Callable[[Any, Any], list[Check]],
+    cost: tuple[float, float],
+    roofline: Roofline | None,
+    repeats: int,
+) -> Row:
+    """Correctness against the float32-precision reference, then both timed."""
+    with jax.default_matmul_precision("highest"):
+        want = reference(*args)
+    got, kernel_first, kernel_s = timed_s(kernel, args, repeats)
+    results = checks(got, want)
+    del got, want
+    _, reference_first, reference_s = timed_s(reference, args, repeats)
+    worst = max(results, key=lambda c: c.ratio)
+    floor = roofline.floor_s(*cost) if roofline else None
+    return Row(
+        "kernels",
+        name,
+        "pass" if all(c.ratio <= 1 for c in results) else "fail",
+        error=worst.error,
+        tol=worst.tol,
+        kernel=kernel_s * 1e3,
+        reference=reference_s * 1e3,
+        unit="ms",
+        kernel_floor_pct=100 * floor / kernel_s if floor else None,
+        reference_floor_pct=100 * floor / reference_s if floor else None,
+        note=f"worst: {worst.name}",
+        details={
+            "checks": [dataclasses.asdict(c) for c in results],
+            "bytes": cost[0],
+            "flops": cost[1],
+            "floor_ms": floor * 1e3 if floor else None,
+            "kernel_first_call_s": kernel_first,
+            "reference_first_call_s": reference_first,
+            "repeats": repeats,
+        },
+    )
+
+
+def attention_row(case: AttentionCase, roofline: Roofline | None, repeats: int, interpret: bool) -> Row:
+    static = dict(sm_scale=case.head_dim**-0.5)
+    kernel = jax.jit(functools.partial(attention_gpu.ragged_paged_attention, **static, interpret=interpret))
+    reference = jax.jit(functools.partial(ragged_paged_attention, **static))
+    args = attention_inputs(case)
+    row = kernel_row(case.name, kernel, reference, args, attention_checks, attention_cost(case), roofline, repeats)
+    row.details["case"] = dataclasses.asdict(case)
+    return row
+
+
+def ssd_row(case: SsdCase, roofline: Roofline | None, repeats: int, interpret: bool) -> Row:
+    kernel = jax.jit(functools.partial(ssd_gpu.ragged_ssd_scan, chunk_size=case.chunk_size, interpret=interpret))
+    reference = jax.jit(functools.partial(ragged_ssd_scan, chunk_size=case.chunk_size))
+    args = ssd_inputs(case)
+    row = kernel_row(case.name, kernel, reference, args, ssd_checks, ssd_cost(case), roofline, repeats)
+    row.details["case"] = dataclasses.asdict(case)
+    return row
+
+
+def kernel_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, interpret: bool) -> list[Row]:
+    cases: list[tuple[AttentionCase | SsdCase, Callable[..., Row]]] = [(c, attention_row) for c in plan.attention]
+    cases += [(c, ssd_row) for c in plan.ssd]
+    rows = []
+    for case, check in cases:
+        if deadline.allows(plan.kernel_case_s):
+            rows += guarded("kernels", case.name, check, case, roofline, plan.kernel_repeats, interpret)
+        else:
+            rows.append(Row("kernels", case.name, SKIPPED))
+        log(deadline, f"{case.name}: {rows[-1].status}")
+    return rows
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSizes:
+    parameters: int
+    weight_bytes: int  # all weights (bf16)
+    embedding_bytes: int  # the input embedding (a decode step reads a few rows of it)
+    layer_parameters: int  # weights of the layers (each token's matmuls use them all)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRun:
+    """One kernels= mode: medians of the timed runs."""
+
+    kernels: str
+    load_s: float
+    first_runs_s: float  # the untimed decode and prefill runs: compiles every timed shape
+    decode_tokens_per_s: float  # batch / mean time per output token
+    output_tokens_per_s: float  # batch * max_tokens / generate wall time (prefill included)
+    prefill_tokens_per_s: float  # prompt tokens / generate wall time (one output token each)
+    recompiles: int  # step compilations during the timed runs (should be 0)
+    decode_outputs: list[list[int]]  # greedy tokens of the first decode run
+    prefill_outputs: list[int]  # and the first prefill run's tokens
+
+
+def random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Norms and D one, A in [-16, -1], dt ~ softplus(-3) = 0.05, embeddings N(0, 1), an lm_head
+    that spreads the logits (std ~4.5, so greedy picks are rarely near-ties), else N(0, 0.02)."""
+    import torch
+
+    if name.endswith(("norm.weight", ".D")):
+        return torch.ones(shape, dtype=torch.bfloat16)
+    if name.endswith("dt_bias"):
+        return (-3.0 + 0.3 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+    if name.endswith("A_log"):
+        return torch.log(1 + 15 * torch.rand(shape, generator=gen)).to(torch.bfloat16)
+    std = 1.0 if "embed_tokens" in name else 0.1 if name.startswith("lm_head") else 0.02
+    return (std * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+
+
+def build_random_bamba(path: Path, spec: EngineSpec) -> ModelSizes:
+    """Saves a seeded random bf16 Bamba (config.json and model.safetensors) to `path`.
+
+    torch (imported by transformers and jaxengine too) is imported only once JAX has set up
+    its GPU backend: torch loads its own cuDNN, the first copy loaded wins, and JAX does not
+    start its GPU backend on an older one."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import BambaConfig, BambaForCausalLM
+
+    config = BambaConfig(
+        **spec.bamba,
+        architectures=["BambaForCausalLM"],
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in BambaForCausalLM(config).state_dict().items()}
+    gen = torch.Generator().manual_seed(SEED)
+    save_file({k: random_weight(k, s, gen) for k, s in shapes.items()}, path / "model.safetensors", {"format": "pt"})
+    config.save_pretrained(path)
+    numel = {k: math.prod(s) for k, s in shapes.items()}
+    return ModelSizes(
+        parameters=sum(numel.values()),
+        weight_bytes=2 * sum(numel.values()),
+        embedding_bytes=2 * sum(v for k, v in numel.items() if "embed_tokens" in k),
+        layer_parameters=sum(v for k, v in numel.items() if ".layers." in k),
+    )
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    return np.random.default_rng(seed).integers(1, vocab, (count, length)).tolist()
+
+
+def run_engine(model_dir: Path, kernels: str, spec: EngineSpec) -> EngineRun:
+    """Loads the model, runs decode and prefill once untimed (compiling their shapes), then
+    `spec.repeats` timed runs of each, every run with fresh prompts (no prefix-cache hits)."""
+    from jaxengine import LLM, SamplingParams  # after JAX's GPU start-up (see build_random_bamba)
+    from jaxengine.engine.runner import num_compiled_steps
+
+    vocab = spec.bamba["vocab_size"]
+    decode = SamplingParams(max_tokens=spec.decode_tokens, temperature=0.0, ignore_eos=True)
+    prefill = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    llm = LLM(
+        model_dir,
+        dtype="bfloat16",
+        kernels=kernels,
+        max_model_len=spec.max_model_len,
+        max_num_seqs=spec.decode_batch,
+        max_num_batched_tokens=spec.step_tokens,
+        warm_up=False,
+        compilation_cache_dir=None,
+    )
+    load_s = time.perf_counter() - start
+
+    def run(params: SamplingParams, count: int, length: int, seed: int) -> tuple[float, list[RequestOutput]]:
+        prompts = random_prompts(count, length, vocab, seed)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start, outs
+
+    start = time.perf_counter()
+    first_decode = run(decode, spec.decode_batch, spec.decode_prompt_len, SEED)[1]
+    first_prefill = run(prefill, spec.prefill_prompts, spec.prefill_len, SEED + 1)[1]
+    first_runs_s = time.perf_counter() - start
+    compiled = num_compiled_steps()
+    walls, step_s, prefill_walls = [], [], []
+    for i in range(spec.repeats):
+        wall, outs = run(decode, spec.decode_batch, spec.decode_prompt_len, SEED + 100 + i)
+        walls.append(wall)
+        step_s.append(statistics.mean(o.time_per_output_token for o in outs))
+        prefill_walls.append(run(prefill, spec.prefill_prompts, spec.prefill_len, SEED + 200 + i)[0])
+    recompiles = num_compiled_steps() - compiled
+    med = statistics.median
+    return EngineRun(
+        kernels=kernels,
+        load_s=load_s,
+        first_runs_s=first_runs_s,
+        decode_tokens_per_s=spec.decode_batch / med(step_s),
+        output_tokens_per_s=spec.decode_batch * spec.decode_tokens / med(walls),
+        prefill_tokens_per_s=spec.prefill_prompts * spec.prefill_len / med(prefill_walls),
+        recompiles=recompiles,
+        decode_outputs=[o.token_ids for o in first_decode],
+        prefill_outputs=[o.token_ids[0] for o in first_prefill],
+    )
+
+
+def decode_floor_tokens_per_s(spec: EngineSpec, sizes: ModelSizes, roofline: Roofline) -> float:
+    """Batch / the time to move what a decode step must: every weight but the input
+    embedding, each sequence's float32 SSM states (read and written) and its keys and values."""
+    b = spec.bamba
+    attention_layers = len(b["attn_layer_indices"])
+    state = b["mamba_n_heads"] * b["mamba_d_head"] * b["mamba_d_state"] * 4
+    context = spec.decode_prompt_len + spec.decode_tokens / 2
+    head_dim = b["hidden_size"] // b["num_attention_heads"]
+    kv = attention_layers * context * b["num_key_value_heads"] * head_dim * 2 * 2
+    per_seq = (b["num_hidden_layers"] - attention_layers) * 2 * state + kv
+    step_bytes = sizes.weight_bytes - sizes.embedding_bytes + spec.decode_batch * per_seq
+    return spec.decode_batch / roofline.floor_s(step_bytes, 0.0)
+
+
+def prefill_floor_tokens_per_s(spec: EngineSpec, sizes: ModelSizes, roofline: Roofline) -> float:
+    """Prompt tokens / the time for their FLOPs: 2 per layer weight per token, plus causal attention."""
+    b = spec.bamba
+    length = spec.prefill_len
+    head_dim = b["hidden_size"] // b["num_attention_heads"]
+    attention = len(b["attn_layer_indices"]) * 4 * b["num_attention_heads"] * head_dim * length * (length + 1) // 2
+    flops = spec.prefill_prompts * (2 * sizes.layer_parameters * length + attention)
+    return spec.prefill_prompts * length / roofline.floor_s(0.0, flops)
+
+
+def first_token_row(auto: EngineRun, reference: EngineRun) -> Row:
+    """Same prompts in both modes: the share of requests whose first greedy token differs,
+    and how many decode tokens agree before the first difference (information only)."""
+    firsts = [(a[0], r[0]) for a, r in zip(auto.decode_outputs, reference.decode_outputs)]
+    firsts += list(zip(auto.prefill_outputs, reference.prefill_outputs))
+    mismatch = sum(a != r for a, r in firsts) / len(firsts)
+    prefix = statistics.mean(
+        next((i for i, (x, y) in enumerate(zip(a, r)) if x != y), len(a))
+        for a, r in zip(auto.decode_outputs, reference.decode_outputs)
+    )
+    return Row(
+        "engine",
+        "engine first tokens auto vs ref",
+        "pass" if mismatch <= FIRST_TOKEN_TOL else "fail",
+        error=mismatch,
+        tol=FIRST_TOKEN_TOL,
+        note=f"mean common prefix {prefix:.1f} tokens",
+        details={"requests": len(firsts), "mean_common_prefix": prefix},
+    )
+
+
+def engine_report(
+    spec: EngineSpec, sizes: ModelSizes, runs: dict[str, EngineRun | str], roofline: Roofline | None
+) -> list[Row]:
+    """Rows from the two modes' runs; a mode that did not run is a status string instead."""
+    auto, ref = (run if isinstance(run, EngineRun) else None for run in (runs["auto"], runs["reference"]))
+    status = "ok" if auto else runs["auto"]
+    note = f"reference: {runs['reference']}" if auto and not ref else ""
+    floors = {}
+    if roofline and sizes.parameters:
+        floors = {
+            "decode_tokens_per_s": decode_floor_tokens_per_s(spec, sizes, roofline),
+            "prefill_tokens_per_s": prefill_floor_tokens_per_s(spec, sizes, roofline),
+        }
+    rows = []
+    for name, attr, unit in (
+        (f"engine decode b{spec.decode_batch}", "decode_tokens_per_s", "tok/s"),
+        (f"engine prefill {spec.prefill_prompts}x{spec.prefill_len}", "prefill_tokens_per_s", "tok/s"),
+        ("engine load / first runs", "first_runs_s", "s"),
+    ):
+        k, r, floor = getattr(auto, attr, None), getattr(ref, attr, None), floors.get(attr)
+        pct = {"kernel_floor_pct": 100 * k / floor if floor and k else None}
+        pct["reference_floor_pct"] = 100 * r / floor if floor and r else None
+        rows.append(Row("engine", name, status, kernel=k, reference=r, unit=unit, note=note, **pct))
+    rows[0].details = {"floor_tokens_per_s": floors, "model": dataclasses.asdict(sizes) | {"config": spec.bamba}}
+    rows[0].details["spec"] = {k: v for k, v in dataclasses.asdict(spec).items() if k != "bamba"}
+    for run, label in ((auto, "auto"), (ref, "reference")):
+        if run:
+            rows[0].details[label] = {k: v for k, v in dataclasses.asdict(run).items() if not k.endswith("outputs")}
+            if run.recompiles:
+                rows[0].note = f"{rows[0].note}; {label} recompiled during timing".lstrip("; ")
+    loads = [f"{run.load_s:.1f}" for run in (auto, ref) if run]
+    rows[-1].note = f"load {' / '.join(loads)} s" if loads else note
+    if auto and ref:
+        rows.append(first_token_row(auto, ref))
+    else:
+        rows.append(Row("engine", "engine first tokens auto vs ref", runs["reference"] if auto else status))
+    return rows
+
+
+def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, interpret: bool) -> list[Row]:
+    spec = plan.engine
+    if not deadline.allows(plan.engine_build_s + plan.engine_mode_s):
+        return engine_report(spec, ModelSizes(0, 0, 0, 0), {"auto": SKIPPED, "reference": SKIPPED}, roofline)
+    modes = {"auto": "pallas-interpret-gpu" if interpret else "auto", "reference": "reference"}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp)
+        sizes = build_random_bamba(model_dir, spec)
+        log(deadline, f"random Bamba saved: {sizes.parameters / 1e6:,.1f}M parameters")
+        runs: dict[str, EngineRun | str] = {}
+        for label, kernels in modes.items():
+            if not deadline.allows(plan.engine_mode_s):
+                runs[label] = SKIPPED
+                continue
+            try:
+                runs[label] = run_engine(model_dir, kernels, spec)
+            except Exception as e:  # report it, and still run the other mode
+                traceback.print_exc()
+                runs[label] = error_status(e)
+            gc.collect()  # frees the model and pools before the next mode
+            status = runs[label] if isinstance(runs[label], str) else "done"
+            log(deadline, f"engine kernels={kernels}: {status}")
+    return engine_report(spec, sizes, runs, roofline)
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "tok/s":
+        return f"{value:,.0f} tok/s"
+    return f"{value:.3g} {unit}"
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ("check", "status", "error (tol)", "kernel / auto", "reference", "speedup", "% of floor", "note")
+    lines = [header]
+    for r in rows:
+        err = f"{r.error:.2e} ({r.tol:.1e})" if r.error is not None else ""
+        pct = " / ".join("-" if p is None else f"{p:.0f}%" for p in (r.kernel_floor_pct, r.reference_floor_pct))
+        speedup = f"{r.speedup:.2f}x" if r.speedup is not None else ""
+        measured = r.kernel is not None or r.reference is not None
+        kernel, reference = (fmt(v, r.unit) if measured else "" for v in (r.kernel, r.reference))
+        has_pct = r.kernel_floor_pct is not None or r.reference_floor_pct is not None
+        lines.append((r.name, r.status[:48], err, kernel, reference, speedup, pct if has_pct else "", r.note))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run; interpret mode without a GPU)")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of: " + ", ".join(PARTS))
+    parser.add_argument("--json", type=Path, default=Path("device_check.json"))
+    parser.add_argument("--budget-s", type=float, default=420.0, help="deadline; later parts are skipped past it")
+    args = parser.parse_args(argv)
+    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown part {unknown[0]!r}; choose from {', '.join(PARTS)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    deadline = Deadline(args.budget_s)
+    plan = quick_plan() if args.quick else full_plan()
+    device = jax.devices()[0]  # starts the backend before anything imports torch
+    interpret = jax.default_backend() != "gpu"
+    print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
+    if interpret and not args.quick:
+        print("no GPU backend: the full check needs one (run --quick for a smoke run)", file=sys.stderr)
+        return 2
+    if interpret:
+        print("no GPU: the kernels run in interpret mode (timings are not meaningful)", flush=True)
+    rows: list[Row] = []
+    roofline_rows = guarded("roofline", "roofline", measure_roofline, plan)
+    roofline = Roofline(**roofline_rows[0].details) if roofline_rows[0].status == "ok" else None
+    rows += roofline_rows
+    log(deadline, f"roofline: {roofline_rows[0].note or roofline_rows[0].status}")
+    if "kernels" in args.parts:
+        rows += kernel_rows(plan, roofline, deadline, interpret)
+    if "engine" in args.parts:
+        rows += guarded("engine", "engine", engine_rows, plan, roofline, deadline, interpret)
+    passed = not any(r.status == "fail" or r.status.startswith("error") for r in rows)
+    report = {
+        "device": device.device_kind,
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "quick": args.quick,
+        "interpret": interpret,
+        "parts": args.parts,
+        "budget_s": args.budget_s,
+        "elapsed_s": deadline.elapsed(),
+        "passed": passed,
+        "rows": [dataclasses.asdict(r) | {"speedup": r.speedup} for r in rows],
+    }
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.json} ({report['elapsed_s']:.0f} s)\n")
+    print(format_table(rows))
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

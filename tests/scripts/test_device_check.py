@@ -1,0 +1,118 @@
+"""The device check script: its quick run on CPU (kernels in interpret mode) reports every
+check and passes them, its deadline skips checks, and its cost bookkeeping."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import jax
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+device_check = _script("device_check")
+
+KERNEL_ROWS = [
+    "attention decode bf16",
+    "attention mixed bf16",
+    "ssd prefill bf16",
+    "ssd prefill f32",
+    "ssd decode-ish bf16",
+]
+ON_GPU = jax.default_backend() == "gpu"
+ENGINE_ROWS = ["engine decode b4", "engine prefill 4x8", "engine load / first runs", "engine first tokens auto vs ref"]
+
+
+def _run(tmp_path: Path, *argv: str) -> tuple[int, dict]:
+    path = tmp_path / "tmp.json"
+    status = device_check.main(["--quick", "--json", str(path), *argv])
+    return status, json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_quick_run_checks_kernels_and_engine(tmp_path, capsys):
+    status, report = _run(tmp_path)
+    rows = {r["name"]: r for r in report["rows"]}
+    assert list(rows) == ["roofline", *KERNEL_ROWS, *ENGINE_ROWS]
+    assert status == 0 and report["passed"]
+    assert report["device"] and report["jax"] and report["date"] and report["interpret"] == (not ON_GPU)
+    assert rows["roofline"]["details"]["bandwidth"] > 0 and rows["roofline"]["details"]["matmul_rate"] > 0
+    for name in KERNEL_ROWS:
+        row = rows[name]
+        assert row["status"] == "pass", row
+        assert 0 <= row["error"] <= row["tol"]
+        assert row["kernel"] > 0 and row["reference"] > 0 and row["kernel_floor_pct"] > 0
+    assert rows["ssd prefill f32"]["details"]["checks"][-1] == {"name": "row layout", "error": 0.0, "tol": 0.0}
+    for name in ENGINE_ROWS[:2]:
+        assert rows[name]["status"] == "ok" and rows[name]["kernel"] > 0 and rows[name]["reference"] > 0
+    decode = rows["engine decode b4"]["details"]
+    assert decode["auto"]["kernels"] == ("auto" if ON_GPU else "pallas-interpret-gpu")
+    assert decode["reference"]["kernels"] == "reference"
+    assert decode["auto"]["recompiles"] == 0 and decode["reference"]["recompiles"] == 0
+    assert rows["engine first tokens auto vs ref"]["status"] == "pass"
+    # The table comes last: its header, then one line per row.
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    assert lines[-len(rows) - 1].startswith("check") and lines[-1].startswith("engine first tokens")
+
+
+def test_deadline_skips_every_check(tmp_path):
+    status, report = _run(tmp_path, "--budget-s", "0")
+    statuses = {r["name"]: r["status"] for r in report["rows"]}
+    assert statuses.pop("roofline") == "ok"
+    assert list(statuses) == KERNEL_ROWS + ENGINE_ROWS
+    assert set(statuses.values()) == {"skipped (time)"}
+    assert status == 0 and report["passed"]
+
+
+def test_parts_selects_and_rejects(tmp_path):
+    status, report = _run(tmp_path, "--budget-s", "0", "--parts", "engine")
+    assert [r["name"] for r in report["rows"]] == ["roofline", *ENGINE_ROWS]
+    with pytest.raises(SystemExit):
+        device_check.parse_args(["--parts", "kernels,gpu"])
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU this would run the full check")
+def test_full_run_needs_a_gpu(tmp_path):
+    path = tmp_path / "full.json"
+    assert device_check.main(["--json", str(path)]) == 2  # the real shapes would take hours interpreted
+    assert not path.exists()
+
+
+def test_costs():
+    ssd = device_check.SsdCase("s", (300, 10), (250, 0), 0, 1, 1, 64, 16, chunk_size=256, dtype="float32")
+    assert device_check.ssd_rows(ssd) == [6, 256, 38, 10]  # chunks aligned to absolute positions
+    attention = device_check.AttentionCase("a", (3, 1), (5, 8), 2, q_heads=4, kv_heads=2, head_dim=8, dtype="float32")
+    num_bytes, flops = device_check.attention_cost(attention)
+    assert num_bytes == 2 * 13 * 2 * 8 * 4 + 2 * 6 * 4 * 8 * 4  # keys and values once, q and out
+    assert flops == 4 * 4 * 8 * (3 + 4 + 5 + 8)  # visible keys: 3, 4, 5 for the prefill, 8 for the decode
+
+
+def test_engine_report_when_a_mode_did_not_run():
+    spec = device_check.quick_plan().engine
+    sizes = device_check.ModelSizes(parameters=1000, weight_bytes=2000, embedding_bytes=500, layer_parameters=800)
+    auto = device_check.EngineRun("auto", 1.0, 9.0, 400.0, 300.0, 2000.0, 0, [[1, 2, 3], [4, 5, 6]], [7, 8])
+    roofline = device_check.Roofline(bandwidth=1e9, matmul_rate=1e12)
+    rows = device_check.engine_report(spec, sizes, {"auto": auto, "reference": "skipped (time)"}, roofline)
+    assert [r.name for r in rows] == ENGINE_ROWS
+    decode = rows[0]
+    assert decode.status == "ok" and decode.kernel == 400.0 and decode.reference is None and decode.speedup is None
+    assert decode.note == "reference: skipped (time)" and decode.kernel_floor_pct > 0
+    assert rows[-1].status == "skipped (time)"
+
+    reference = device_check.EngineRun("reference", 1.0, 5.0, 200.0, 100.0, 1000.0, 0, [[1, 2, 0], [9, 5, 6]], [7, 8])
+    rows = device_check.engine_report(spec, sizes, {"auto": auto, "reference": reference}, roofline)
+    assert rows[0].speedup == 2.0 and rows[1].speedup == 2.0 and rows[2].speedup is None  # load times: no speedup
+    first = rows[-1]
+    assert first.error == 0.25 and first.status == "pass"  # 1 of 4 first tokens differs
+    assert first.details["mean_common_prefix"] == 1.0  # 2 tokens agree, then none
