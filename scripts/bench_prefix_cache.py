@@ -1,6 +1,7 @@
 """Prefix caching on vs off, side by side, on a hybrid and a plain-transformer model.
 
     python scripts/bench_prefix_cache.py [--json bench_prefix_cache.json] [--questions 64]
+        [--workloads system-prompt,short-prefix,conversations]
 
 Workloads (token-id prompts, greedy, the same for every configuration):
   system-prompt   a 2048-token shared system prompt followed by distinct 32-token questions,
@@ -70,7 +71,8 @@ def _system_prompt(model: Path, caching: bool, questions: int) -> dict:
 
 
 def _conversations(model: Path, retention: str, snapshots: int) -> dict:
-    llm = LLM(model, ssm_retention=retention, num_ssm_snapshot_slots=snapshots, compilation_cache_dir=None, **ENGINE)
+    llm = LLM(model, ssm_retention=retention, num_ssm_snapshot_slots=snapshots, compilation_cache_dir=None,
+              **{**ENGINE, "warm_up": False})  # one request at a time: only a few shapes are used
     vocab = llm.engine.model_config.vocab_size
     system = _tokens(300, 99, vocab)
     convs = [system + _tokens(120, 1000 + c, vocab) for c in range(8)]
@@ -107,7 +109,9 @@ def main() -> None:
     parser.add_argument("--json", default="bench_prefix_cache.json")
     parser.add_argument("--questions", type=int, default=64)
     parser.add_argument("--snapshots", type=int, default=8, help="snapshot slots in the conversations workload")
+    parser.add_argument("--workloads", default="system-prompt,short-prefix,conversations")
     args = parser.parse_args()
+    workloads = set(args.workloads.split(","))
 
     results: dict = {
         "date": time.strftime("%Y-%m-%d"),
@@ -117,6 +121,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         models = {"hybrid (Bamba)": DEFAULT_MODEL, "transformer (Llama)": _llama_like(DEFAULT_MODEL, Path(tmp) / "llama")}
         for name, path in models.items():
+            if "system-prompt" not in workloads:
+                break
             off = _system_prompt(path, False, args.questions)
             on = _system_prompt(path, True, args.questions)
             results[f"system_prompt/{name}"] = {
@@ -127,10 +133,14 @@ def main() -> None:
             print(f"{name}: shared 2048-token system prompt, {args.questions} questions")
             print(f"  TTFT mean off {off['ttft_mean_s']:.3f}s  on {on['ttft_mean_s']:.3f}s  ratio {off['ttft_mean_s'] / on['ttft_mean_s']:.1f}x")
             print(f"  output tok/s off {off['output_tokens_per_s']:.1f}  on {on['output_tokens_per_s']:.1f}")
-            results[f"short_prefix/{name}"] = _short_prefix(path)
-            print(f"  200-token shared prefix, cached tokens per request: {results[f'short_prefix/{name}']}")
-        for retention in ("sparse", "dense", "every=128"):
+        for name, path in models.items():
+            if "short-prefix" in workloads:
+                results[f"short_prefix/{name}"] = _short_prefix(path)
+                print(f"{name}: 200-token shared prefix, cached tokens per request: {results[f'short_prefix/{name}']}")
+        for retention in ("sparse", "dense", "every=128") if "conversations" in workloads else ():
             for name, path in models.items():
+                if retention != "sparse" and "Llama" in name:
+                    continue  # retention only concerns SSM checkpoints
                 row = _conversations(path, retention, args.snapshots)
                 results[f"conversations/{retention}/{name}"] = row
                 print(f"conversations {retention:<10} {name:<20} hit rate {row['hit_rate']:.3f}  "

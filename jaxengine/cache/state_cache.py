@@ -159,6 +159,10 @@ class StateCache:
         self.slot_of_hash[block_hash] = slot
         return slot
 
+    def demote(self, slot: int) -> None:
+        """Makes a checkpoint look least recently used, so it is evicted first."""
+        self.snapshots[slot].last_access = 0
+
     def commit(self, slot: int) -> None:
         """The step that writes `slot` has run: the checkpoint may now be read."""
         self.snapshots[slot].committed = True
