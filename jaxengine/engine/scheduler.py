@@ -281,23 +281,21 @@ class Scheduler:
         self.states.pin(written)
         if not kept:
             seq.trailing_checkpoint = written
+            if end > seq.prefill_boundary:
+                self._demote_prompt_checkpoint(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Releases a finished sequence's pages and slots (its cached ones stay reusable)."""
         self.running.remove(seq)
-        self._demote_prompt_checkpoint(seq)
         self.release(seq)
         seq.status = Status.FINISHED
 
     def _demote_prompt_checkpoint(self, seq: Sequence) -> None:
-        """Once a finished sequence has left a checkpoint past its prompt's end (the one its
-        next turn will hit), the prompt-end checkpoint is only useful to exact repeats: it is
-        made the first to evict, so interleaved conversations keep their ends."""
-        if self.states is None or not self.caching or not seq.prefill_boundary:
-            return
-        trailing = self.states.snapshots.get(seq.trailing_checkpoint)
-        if trailing is None or trailing.num_tokens <= seq.prefill_boundary or trailing.block_hash not in seq.block_hashes:
+        """Once a sequence has a checkpoint past its prompt's end (the one its next turn will
+        hit), the prompt-end checkpoint is only useful to exact repeats: it is made the first
+        to evict, so interleaved conversations keep their latest ends."""
+        if not seq.prefill_boundary or seq.prefill_boundary == seq.junction:
             return
         slot = self.states.slot_of_hash.get(seq.block_hashes[seq.prefill_boundary // self.page_size - 1])
-        if slot is not None and seq.prefill_boundary != seq.junction:
+        if slot is not None:
             self.states.demote(slot)

@@ -164,7 +164,7 @@ def test_plain_transformer_hits_at_the_largest_full_page():
 
 
 def test_hybrid_hits_at_the_largest_checkpoint_and_the_next_turn_hits_past_the_answer():
-    sched, device = _scheduler(600, 4, 64, retention="dense"), FakeDevice()
+    sched, device = _scheduler(600, 4, 64, retention="dense", snapshots=300), FakeDevice()
     first = [i % 53 for i in range(1000)]
     a = _one(sched, device, first + [1, 2, 3], "a", max_tokens=10)
     b = _one(sched, device, first + [4, 5], "b")
