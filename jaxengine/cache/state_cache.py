@@ -25,6 +25,7 @@ class Checkpoint:
     last_access: int
     pins: int = 0
     committed: bool = False  # written by a finished step; before that nobody may read it
+    branch: bool = False  # made at a junction, where cached prefixes diverge: never demoted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,21 +161,23 @@ class StateCache:
         return slot
 
     def demote(self, slot: int) -> None:
-        """Makes a checkpoint look least recently used, so it is evicted first."""
-        self.snapshots[slot].last_access = 0
+        """Makes a checkpoint look least recently used, so it is evicted first (unless it is
+        a branch point, which many requests may resume from)."""
+        if not self.snapshots[slot].branch:
+            self.snapshots[slot].last_access = 0
 
     def commit(self, slot: int) -> None:
         """The step that writes `slot` has run: the checkpoint may now be read."""
         self.snapshots[slot].committed = True
 
-    def adopt(self, slot: int, block_hash: bytes, num_tokens: int) -> bool:
+    def adopt(self, slot: int, block_hash: bytes, num_tokens: int, *, branch: bool = False) -> bool:
         """Turns a live slot that holds the state after `num_tokens` tokens into a committed
         snapshot. False (slot stays live) when that prefix is already checkpointed or the
         snapshot budget is full of pinned checkpoints."""
         if not self.enabled or block_hash in self.slot_of_hash or not self._make_room():
             return False
         self.live.remove(slot)
-        self.snapshots[slot] = Checkpoint(slot, block_hash, num_tokens, self.tick(), committed=True)
+        self.snapshots[slot] = Checkpoint(slot, block_hash, num_tokens, self.tick(), committed=True, branch=branch)
         self.slot_of_hash[block_hash] = slot
         return True
 

@@ -185,7 +185,8 @@ class Scheduler:
             seq.owned_slots = slots
             seq.read_slot = slots[0]
             if hit:
-                seq.read_slot = self.states.slot_of_hash[self._hashes(seq)[hit // self.page_size - 1]]
+                seq.hit_checkpoint = self._hashes(seq)[hit // self.page_size - 1]
+                seq.read_slot = self.states.slot_of_hash[seq.hit_checkpoint]
                 self.states.pin(seq.read_slot)
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = hit
@@ -273,8 +274,16 @@ class Scheduler:
             old = self.states.snapshots.get(seq.trailing_checkpoint)
             if old is not None and old.pins == 0 and old.num_tokens < end and old.block_hash in seq.block_hashes:
                 self.states.drop(old.slot)
+        if seq.hit_checkpoint is not None:
+            # The checkpoint this sequence resumed from is now extended by its own: the old
+            # one serves only other branches of that prefix, so it is the first to evict
+            # (before the new one needs room).
+            hit_slot = self.states.slot_of_hash.get(seq.hit_checkpoint)
+            if hit_slot is not None and self.states.snapshots[hit_slot].num_tokens < end:
+                self.states.demote(hit_slot)
+            seq.hit_checkpoint = None
         block_hash = self._hashes(seq)[end // self.page_size - 1]
-        if not self.states.adopt(written, block_hash, end):
+        if not self.states.adopt(written, block_hash, end, branch=end == seq.junction):
             return
         seq.owned_slots.remove(written)
         seq.owned_slots.extend(self.states.alloc_live(1))

@@ -38,6 +38,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     junction: int = 0  # a cached-page boundary past the last checkpoint: a prefill chunk ends there
     prefill_boundary: int = 0  # the last page boundary of what its prefill covers: a chunk ends there
+    hit_checkpoint: bytes | None = None  # the prefix checkpoint it resumed from, until it extends it
     trailing_checkpoint: int = 0  # its latest page-boundary checkpoint that nothing else keeps
     num_preemptions: int = 0
     finish_reason: str | None = None
