@@ -1,8 +1,20 @@
-"""Shared test setup: keep transformers quiet."""
+"""Shared test setup: keep transformers quiet, and each test's compile settings its own."""
 
 import warnings
 
+import jax
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
 from transformers import logging as hf_logging
 
 hf_logging.set_verbosity_error()
 warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_cache_between_tests():
+    """An engine turns JAX's persistent compilation cache on for the whole process; turn it
+    off after each test so later tests (e.g. interpreted kernels) compile as they would alone."""
+    yield
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()

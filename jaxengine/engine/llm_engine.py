@@ -37,7 +37,8 @@ class LLMEngine:
     def __init__(self, model: str | Path, config: EngineConfig):
         config.validate()
         self.config = config
-        if config.compilation_cache_dir:
+        # Interpreted kernels run host callbacks, which a persistent cache must not store.
+        if config.compilation_cache_dir and not config.kernels.startswith("pallas-interpret"):
             enable_compilation_cache(config.compilation_cache_dir)
         self.model_dir = Path(model)
         self.model_config, graphdef, params = load_model(self.model_dir, config.dtype, config.kernels)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxengine.engine.pools import allocate_pools
@@ -47,6 +48,7 @@ def enable_compilation_cache(directory: str | Path) -> None:
     jax.config.update("jax_compilation_cache_dir", str(Path(directory).expanduser()))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    compilation_cache.reset_cache()  # JAX decides once per process; make it look again
 
 
 def num_compiled_steps() -> int:
