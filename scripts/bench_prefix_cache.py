@@ -108,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="bench_prefix_cache.json")
     parser.add_argument("--questions", type=int, default=64)
-    parser.add_argument("--snapshots", type=int, default=8, help="snapshot slots in the conversations workload")
+    parser.add_argument("--snapshots", type=int, default=10, help="snapshot slots in the conversations workload")
     parser.add_argument("--workloads", default="system-prompt,short-prefix,conversations")
     args = parser.parse_args()
     workloads = set(args.workloads.split(","))
