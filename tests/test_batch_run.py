@@ -1,0 +1,96 @@
+"""`jaxengine run CONFIG.yaml` end to end, and the config errors reported before any work."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jaxengine.cli import main
+from jaxengine.run_config import ConfigError, load_requests, load_run_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path: Path, config: dict, lines: list[dict] | None = None) -> Path:
+    prompts = tmp_path / "prompts.jsonl"
+    if lines is not None:
+        prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    base = {
+        "model": "default",
+        "engine": {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens": 32, "warm_up": False},
+        "sampling": {"max_tokens": 4, "temperature": 0.0},
+        "input": str(prompts),
+        "output": str(tmp_path / "out" / "outputs.jsonl"),
+        "metrics": str(tmp_path / "out" / "metrics.json"),
+        "progress": False,
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**base, **config}))
+    return path
+
+
+LINES = [
+    {"id": "a", "prompt": "def add(a, b):\n"},
+    {"id": "b", "prompt": "import os\n", "max_tokens": 6, "stop": ["\n\n"]},
+    {"prompt_token_ids": [5, 6, 7], "temperature": 0.8, "seed": 3, "cache_salt": "x"},
+]
+
+
+@pytest.mark.slow
+def test_run_writes_outputs_and_metrics(tmp_path, capsys):
+    main(["run", str(_write(tmp_path, {}, LINES))])
+    records = [json.loads(line) for line in (tmp_path / "out" / "outputs.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == ["a", "b", "3"]
+    assert len(records[0]["token_ids"]) == 4 and records[0]["finish_reason"] == "length"
+    assert 1 <= len(records[1]["token_ids"]) <= 6 and "\n\n" not in records[1]["text"]
+    assert records[2]["num_prompt_tokens"] == 3
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["requests"] == 3
+    assert metrics["output_tokens"] == sum(len(r["token_ids"]) for r in records)
+    for key in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "compile_s", "cache"):
+        assert key in metrics
+    assert "3 requests" in capsys.readouterr().out
+
+
+def test_the_default_config_is_valid(monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = load_run_config("configs/default.yaml")
+    assert len(load_requests(cfg)) >= 5
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"engin": {}}, r"unknown key 'engin'"),
+        ({"engine": {"max_num_seqs": "8"}}, r"engine.max_num_seqs: expected .*int.*got '8'"),
+        ({"engine": {"max_num_seq": 8}}, r"engine: unknown key 'max_num_seq'"),
+        ({"sampling": {"top_p": 1.5}}, r"SamplingParams.top_p must be in \(0, 1\]"),
+        ({"sampling": {"temprature": 0.5}}, r"sampling: unknown key 'temprature'"),
+        ({"model": "/no/such/model"}, r"model: /no/such/model is not a model directory"),
+        ({"input": "/no/such/prompts.jsonl"}, r"input: file /no/such/prompts.jsonl does not exist"),
+        ({"progress": "yes"}, r"progress must be true or false"),
+    ],
+)
+def test_config_errors_name_the_key(tmp_path, change, match):
+    with pytest.raises(ConfigError, match=match):
+        load_run_config(_write(tmp_path, change, LINES))
+
+
+@pytest.mark.parametrize(
+    "line,match",
+    [
+        ({"id": "q", "prompt": "x", "max_token": 3}, r"prompts.jsonl:1: unknown key 'max_token'"),
+        ({"id": "q"}, r"prompts.jsonl:1: give exactly one of 'prompt' or 'prompt_token_ids'"),
+        ({"id": "q", "prompt": "x", "temperature": "hot"}, r"prompts.jsonl:1.temperature: expected"),
+    ],
+)
+def test_bad_input_lines_name_the_line_and_key(tmp_path, line, match):
+    cfg = load_run_config(_write(tmp_path, {}, [line]))
+    with pytest.raises(ConfigError, match=match):
+        load_requests(cfg)
+
+
+def test_cli_reports_config_errors_in_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"jaxengine: error: .*unknown key 'bogus'"):
+        main(["run", str(_write(tmp_path, {"bogus": 1}, LINES))])
