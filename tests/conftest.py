@@ -18,3 +18,10 @@ def _no_persistent_cache_between_tests():
     yield
     jax.config.update("jax_compilation_cache_dir", None)
     compilation_cache.reset_cache()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Runs the kernel tests first. The Pallas interpreters build very large programs, and
+    XLA has been seen to crash compiling one late in a long session (after hundreds of other
+    compiles) though never in a fresh process; first, they compile as they would alone."""
+    items.sort(key=lambda item: "pallas_kernels" not in item.nodeid)
