@@ -100,6 +100,16 @@ def limit_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def warn_if_busy(threads: int, load: float) -> None:
+    """Says when other jobs already keep the CPUs busy enough that torch's threads, which
+    wait for each other at every parallel region, are likely to stall."""
+    if threads > 1 and load + threads > os.cpu_count() + 1:
+        print(
+            f"warning: 1-minute load average {load:.1f} on {os.cpu_count()} CPUs; with {threads} threads torch may "
+            "stall and its numbers (and the ratio) mean little; --threads 1 is steadier on a busy machine"
+        )
+
+
 def bamba_config() -> BambaConfig:
     """8 layers (2 attention, 6 Mamba2), hidden 512, Mamba heads 16 x 64, vocab 8192."""
     return BambaConfig(
@@ -304,6 +314,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     load_start = os.getloadavg()
+    warn_if_busy(args.threads, load_start[0])
     model = load_hf_model(model_dir)
     num_params, param_bytes = parameter_bytes(model)
     print(

@@ -20,6 +20,14 @@ def _no_persistent_cache_between_tests():
     compilation_cache.reset_cache()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs_after_each_module():
+    """Frees every compiled program after a test module. One process compiling many
+    hundreds of CPU programs has crashed inside XLA's compiler; a module's worth never has."""
+    yield
+    jax.clear_caches()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Runs the kernel tests first. The Pallas interpreters build very large programs, and
     XLA has been seen to crash compiling one late in a long session (after hundreds of other
