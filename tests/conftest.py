@@ -22,14 +22,14 @@ def _no_persistent_cache_between_tests():
 
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs_after_each_module():
-    """Frees every compiled program after a test module. One process compiling many
-    hundreds of CPU programs has crashed inside XLA's compiler; a module's worth never has."""
+    """Frees every compiled program after a test module. Each CPU program holds memory
+    mappings, and one process compiling the whole suite's programs (the Pallas interpreters'
+    especially) ran into the kernel's map-count limit and crashed inside XLA's compiler."""
     yield
     jax.clear_caches()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Runs the kernel tests first. The Pallas interpreters build very large programs, and
-    XLA has been seen to crash compiling one late in a long session (after hundreds of other
-    compiles) though never in a fresh process; first, they compile as they would alone."""
+    """Runs the kernel tests first, in a fresh process state: the Pallas interpreters build
+    the largest programs of the suite."""
     items.sort(key=lambda item: "pallas_kernels" not in item.nodeid)
