@@ -79,7 +79,10 @@ def sample_tokens(logits: jax.Array, sb: SamplingBatch, num_logprobs: int) -> Sa
     logits = _apply_penalties(logits, sb)
     greedy = jnp.argmax(logits, axis=-1)
     temp = jnp.where(sb.temperature > 0, sb.temperature, 1.0)
-    filtered = _filter(logits / temp[:, None], sb)
+    # The filters sort the vocabulary: skip them when every row is greedy.
+    filtered = jax.lax.cond(
+        jnp.any(sb.temperature > 0), lambda scaled: _filter(scaled, sb), lambda scaled: scaled, logits / temp[:, None]
+    )
 
     def draw(row: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
         return jax.random.categorical(jax.random.fold_in(jax.random.key(seed), step), row)

@@ -53,10 +53,11 @@ def write_kv_pages(
     slot_mapping: jax.Array,  # [T] int32: page * page_size + offset; padding -> 0 (null page)
 ) -> tuple[jax.Array, jax.Array]:
     """Scatters this step's keys and values into their pages."""
-    num_pages, page_size, kv_heads, head_dim = k_pages.shape
-    flat_shape = (num_pages * page_size, kv_heads, head_dim)
-    k_pages = k_pages.reshape(flat_shape).at[slot_mapping].set(k.astype(k_pages.dtype)).reshape(k_pages.shape)
-    v_pages = v_pages.reshape(flat_shape).at[slot_mapping].set(v.astype(v_pages.dtype)).reshape(v_pages.shape)
+    page_size = k_pages.shape[1]
+    # A 4-D scatter: through a flattened view XLA copies the whole pool on every step.
+    page, offset = slot_mapping // page_size, slot_mapping % page_size
+    k_pages = k_pages.at[page, offset].set(k.astype(k_pages.dtype))
+    v_pages = v_pages.at[page, offset].set(v.astype(v_pages.dtype))
     return k_pages, v_pages
 
 
