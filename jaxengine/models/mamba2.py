@@ -8,6 +8,7 @@ from jaxengine.models.batch import StepBatch, TokenLayout
 from jaxengine.models.config import MambaConfig
 from jaxengine.models.kernels import KernelOps
 from jaxengine.models.layers import GatedRMSNorm, linear
+from pallas_kernels.causal_conv1d import conv_states_after
 
 
 class Mamba2Mixer(nnx.Module):
@@ -51,7 +52,8 @@ class Mamba2Mixer(nnx.Module):
         fresh = layout.start_pos == 0  # [S]
         conv_in = jnp.where(fresh[:, None, None], 0, conv_pool[batch.read_slots])  # [S, conv_dim, K]
         if batch.ckpt_slot.shape[0]:
-            ckpt_conv = _conv_states_at(xbc, conv_in, batch, layout.start_pos)
+            consumed = batch.ckpt_pos - layout.start_pos[batch.ckpt_seq]  # tokens of this step before it
+            ckpt_conv = conv_states_after(xbc, conv_in, batch.cu_q_lens, batch.ckpt_seq, consumed)
             conv_pool = conv_pool.at[batch.ckpt_slot].set(ckpt_conv.astype(conv_pool.dtype))
         if decode:
             xbc, conv_out = ops.causal_conv1d_update(xbc, self.conv_weight[...], bias, conv_in)
@@ -88,19 +90,3 @@ class Mamba2Mixer(nnx.Module):
         y = self.norm(y.reshape(num_tokens, inner), z).astype(x.dtype)  # norm in float32, like the reference
         return self.out_proj(y), conv_pool, ssm_pool
 
-
-def _conv_states_at(
-    xbc: jax.Array,  # [T, conv_dim] raw conv inputs of this step
-    conv_in: jax.Array,  # [S, conv_dim, K] each sequence's conv state before this step
-    batch: StepBatch,
-    start_pos: jax.Array,  # [S]
-) -> jax.Array:  # [C, conv_dim, K]
-    """The conv state (last K raw columns) of sequence `ckpt_seq[c]` after position `ckpt_pos[c]`."""
-    kernel = conv_in.shape[-1]
-    seq = batch.ckpt_seq
-    rel = (batch.ckpt_pos - start_pos[seq])[:, None] - kernel + jnp.arange(kernel)[None, :]  # [C, K]
-    from_x = xbc[jnp.clip(batch.cu_q_lens[seq][:, None] + rel, 0, xbc.shape[0] - 1)]  # [C, K, conv_dim]
-    from_state = jnp.take_along_axis(
-        conv_in[seq], jnp.clip(kernel + rel, 0, kernel - 1)[:, None, :], axis=-1
-    )  # [C, conv_dim, K]
-    return jnp.where((rel >= 0)[:, None, :], jnp.moveaxis(from_x, 1, 2), from_state)

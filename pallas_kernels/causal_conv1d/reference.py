@@ -12,6 +12,34 @@ import jax.numpy as jnp
 from pallas_kernels.ragged import token_segments
 
 
+def _column(
+    x: jax.Array,  # [T, D]
+    conv_states: jax.Array,  # [S, D, K]
+    cu_seqlens: jax.Array,  # [S + 1] int32
+    seq: jax.Array,  # [...] int32
+    rel: jax.Array,  # [...] int32: column index within the sequence's tokens this step
+) -> jax.Array:  # [..., D]
+    """Input column `rel` of each sequence `seq` (negative: from its conv state)."""
+    kernel = conv_states.shape[-1]
+    from_x = x[jnp.clip(cu_seqlens[seq] + rel, 0, x.shape[0] - 1)]
+    from_state = conv_states[seq, :, jnp.clip(kernel + rel, 0, kernel - 1)]
+    return jnp.where((rel >= 0)[..., None], from_x, from_state)
+
+
+def conv_states_after(
+    x: jax.Array,  # [T, D] raw inputs
+    conv_states: jax.Array,  # [S, D, K] last K columns before this step
+    cu_seqlens: jax.Array,  # [S + 1] int32
+    seq: jax.Array,  # [C] int32
+    num_tokens: jax.Array,  # [C] int32: tokens of this step already consumed
+) -> jax.Array:  # [C, D, K]
+    """The conv state (last K raw columns) of sequence `seq[c]` after its first `num_tokens[c]`
+    tokens of this step."""
+    kernel = conv_states.shape[-1]
+    cols = [_column(x, conv_states, cu_seqlens, seq, num_tokens - kernel + c) for c in range(kernel)]
+    return jnp.stack(cols, axis=-1)
+
+
 def ragged_causal_conv1d(
     x: jax.Array,  # [T, D] raw inputs
     weight: jax.Array,  # [D, K]
@@ -25,20 +53,14 @@ def ragged_causal_conv1d(
     seq, local, valid = token_segments(cu_seqlens, num_tokens)
     seq_len = cu_seqlens[1:] - cu_seqlens[:-1]
 
-    def column(seq_idx: jax.Array, rel: jax.Array) -> jax.Array:
-        """Input column `rel` of each sequence (negative: from its conv state). -> [..., D]"""
-        from_x = x[jnp.clip(cu_seqlens[seq_idx] + rel, 0, num_tokens - 1)]
-        from_state = conv_states[seq_idx, :, jnp.clip(kernel + rel, 0, kernel - 1)]
-        return jnp.where((rel >= 0)[..., None], from_x, from_state)
-
     out = jnp.zeros(x.shape, jnp.float32) if bias is None else jnp.broadcast_to(bias.astype(jnp.float32), x.shape)
     for k in range(kernel):
-        out = out + weight[:, k].astype(jnp.float32) * column(seq, local - (kernel - 1 - k)).astype(jnp.float32)
+        col = _column(x, conv_states, cu_seqlens, seq, local - (kernel - 1 - k))
+        out = out + weight[:, k].astype(jnp.float32) * col.astype(jnp.float32)
     out = jnp.where(valid[:, None], out, 0.0).astype(x.dtype)
 
     seqs = jnp.arange(conv_states.shape[0])
-    new_cols = [column(seqs, seq_len - kernel + c) for c in range(kernel)]  # each [S, D]
-    new_states = jnp.stack(new_cols, axis=-1).astype(conv_states.dtype)
+    new_states = conv_states_after(x, conv_states, cu_seqlens, seqs, seq_len).astype(conv_states.dtype)
     return out, new_states
 
 
