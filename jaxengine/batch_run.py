@@ -21,16 +21,18 @@ def run_batch(cfg: RunConfig) -> dict:
     engine_args = {k: v for k, v in vars(cfg.engine).items() if k not in ("dtype", "warm_up")}
     start = time.perf_counter()
     llm = LLM(cfg.model, cfg.engine.dtype, warm_up=False, **engine_args)
-    try:  # every request is checked before anything compiles
-        for i, r in enumerate(requests):
+    try:  # every request is checked (and tokenized, once) before anything compiles
+        token_ids = [
             llm.engine.validate_request(r.prompt, r.params, f"request {r.id!r} (line {i + 1})")
+            for i, r in enumerate(requests)
+        ]
     except ValueError as err:
         raise ConfigError(f"{cfg.input}: {err}") from err
     if cfg.engine.warm_up:
         llm.warm_up(progress=cfg.progress)
     load_and_compile = time.perf_counter() - start
     start = time.perf_counter()
-    prompts = [{"prompt" if isinstance(r.prompt, str) else "prompt_token_ids": r.prompt, "cache_salt": r.cache_salt} for r in requests]
+    prompts = [{"prompt_token_ids": ids, "cache_salt": r.cache_salt} for ids, r in zip(token_ids, requests)]
     outputs = llm.generate(prompts, [r.params for r in requests], use_tqdm=cfg.progress)
     wall = time.perf_counter() - start
 
