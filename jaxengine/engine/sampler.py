@@ -79,15 +79,16 @@ def sample_tokens(logits: jax.Array, sb: SamplingBatch, num_logprobs: int) -> Sa
     logits = _apply_penalties(logits, sb)
     greedy = jnp.argmax(logits, axis=-1)
     temp = jnp.where(sb.temperature > 0, sb.temperature, 1.0)
-    # The filters sort the vocabulary: skip them when every row is greedy.
-    filtered = jax.lax.cond(
-        jnp.any(sb.temperature > 0), lambda scaled: _filter(scaled, sb), lambda scaled: scaled, logits / temp[:, None]
-    )
 
     def draw(row: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
         return jax.random.categorical(jax.random.fold_in(jax.random.key(seed), step), row)
 
-    drawn = jax.vmap(draw)(filtered, sb.seeds, sb.steps)
+    def sample(scaled: jax.Array) -> jax.Array:  # [S, V] -> [S]
+        return jax.vmap(draw)(_filter(scaled, sb), sb.seeds, sb.steps).astype(greedy.dtype)
+
+    # The filters sort the vocabulary and the draw makes V random numbers per row: skip
+    # both when every row is greedy.
+    drawn = jax.lax.cond(jnp.any(sb.temperature > 0), sample, lambda scaled: greedy, logits / temp[:, None])
     tokens = jnp.where(sb.temperature > 0, drawn, greedy).astype(jnp.int32)
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]

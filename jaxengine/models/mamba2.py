@@ -11,6 +11,18 @@ from jaxengine.models.layers import GatedRMSNorm, linear
 from pallas_kernels.causal_conv1d import conv_states_after
 
 
+def _read_slots(pool: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax.Array:
+    """Each sequence's state from its read slot; zeros where it starts at position 0.
+
+    The gather takes one extra row (the null slot 0) that is dropped again. With a single
+    index XLA turns the gather into a dynamic slice and fuses copies of it into every
+    consumer, some of which may run after the pool's in-place scatter, so it copies the
+    whole pool (twice) on every one-sequence step instead."""
+    padded = jnp.concatenate([slots, jnp.zeros((1,), slots.dtype)])
+    rows = pool[padded][: slots.shape[0]]  # [S, ...]
+    return jnp.where(fresh.reshape(-1, *[1] * (pool.ndim - 1)), 0, rows)
+
+
 class Mamba2Mixer(nnx.Module):
     """in_proj -> (z | xBC | dt); causal conv + SiLU on xBC; SSD scan from each sequence's
     read slot, final state to its write slot; D skip; gated norm; out_proj.
@@ -50,7 +62,7 @@ class Mamba2Mixer(nnx.Module):
         # A sequence whose first token this step is position 0 starts from zero states,
         # whatever its read slot last held.
         fresh = layout.start_pos == 0  # [S]
-        conv_in = jnp.where(fresh[:, None, None], 0, conv_pool[batch.read_slots])  # [S, conv_dim, K]
+        conv_in = _read_slots(conv_pool, batch.read_slots, fresh)  # [S, conv_dim, K]
         if batch.ckpt_slot.shape[0]:
             consumed = batch.ckpt_pos - layout.start_pos[batch.ckpt_seq]  # tokens of this step before it
             ckpt_conv = conv_states_after(xbc, conv_in, batch.cu_q_lens, batch.ckpt_seq, consumed)
@@ -69,7 +81,7 @@ class Mamba2Mixer(nnx.Module):
         dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         dt = jnp.clip(dt, *cfg.time_step_limit)
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
-        state_in = jnp.where(fresh[:, None, None, None], 0, ssm_pool[batch.read_slots])  # [S, H, P, N]
+        state_in = _read_slots(ssm_pool, batch.read_slots, fresh)  # [S, H, P, N]
         if decode:
             y, state_out = ops.ssd_state_update(state_in, xs, dt, A, B, C)
         else:

@@ -72,31 +72,53 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    per_sequence: bool | None = None,
 ) -> jax.Array:  # [T, Hq, D]; zero for padding tokens
-    """Attends each query token to the cached context of its own sequence."""
+    """Attends each query token to the cached context of its own sequence.
+
+    Two ways to lay out the context, with equal results:
+      * per token: each token gathers its own sequence's pages, [T, ctx, Hkv, D] — the
+        whole context copied once per query token, cheap only when each sequence has one;
+      * per sequence: each sequence's pages are gathered once, [S * ctx, Hkv, D], and every
+        token scores against all of them with the other sequences masked out — one matrix
+        product, [T, Hq, S * ctx] scores.
+    `per_sequence=None` takes the one that moves fewer values: per sequence when the scores
+    of S contexts (S * Hq per position) are smaller than a token's own K and V copies
+    (2 * Hkv * D per position)."""
     validate_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
     num_tokens, q_heads, head_dim = q.shape
+    num_seqs, pages_per_seq = page_indices.shape
     _, page_size, kv_heads, _ = k_pages.shape
+    if per_sequence is None:
+        per_sequence = num_seqs * q_heads < 2 * kv_heads * head_dim
     group = q_heads // kv_heads
     seq, _, valid = token_segments(cu_q_lens, num_tokens)
     q_pos = kv_lens[seq] - (cu_q_lens[seq + 1] - jnp.arange(num_tokens))  # [T]
-
-    # Each token gathers its sequence's pages: [T, pages_per_seq * page_size, Hkv, D].
-    ctx = page_indices.shape[1] * page_size
-    k = k_pages[page_indices[seq]].reshape(num_tokens, ctx, kv_heads, head_dim)
-    v = v_pages[page_indices[seq]].reshape(num_tokens, ctx, kv_heads, head_dim)
-
+    ctx = pages_per_seq * page_size
     qg = q.reshape(num_tokens, kv_heads, group, head_dim)
-    scores = jnp.einsum("tkgd,tjkd->tkgj", qg, k, preferred_element_type=jnp.float32) * sm_scale
+
+    if per_sequence:
+        k = k_pages[page_indices].reshape(num_seqs * ctx, kv_heads, head_dim)  # [J = S * ctx, Hkv, D]
+        v = v_pages[page_indices].reshape(num_seqs * ctx, kv_heads, head_dim)
+        key_pos = jnp.tile(jnp.arange(ctx), num_seqs)  # [J]
+        mask = jnp.repeat(jnp.arange(num_seqs), ctx)[None, :] == seq[:, None]  # [T, J]
+        scores_eq, out_eq = "tkgd,jkd->tkgj", "tkgj,jkd->tkgd"
+    else:
+        k = k_pages[page_indices[seq]].reshape(num_tokens, ctx, kv_heads, head_dim)  # [T, J = ctx, Hkv, D]
+        v = v_pages[page_indices[seq]].reshape(num_tokens, ctx, kv_heads, head_dim)
+        key_pos = jnp.arange(ctx)  # [J]
+        mask = jnp.ones((num_tokens, ctx), bool)
+        scores_eq, out_eq = "tkgd,tjkd->tkgj", "tkgj,tjkd->tkgd"
+
+    scores = jnp.einsum(scores_eq, qg, k, preferred_element_type=jnp.float32) * sm_scale  # [T, Hkv, G, J]
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
-    j = jnp.arange(ctx)
-    mask = j[None, :] <= q_pos[:, None]  # [T, ctx]
+    mask &= key_pos[None, :] <= q_pos[:, None]
     if sliding_window is not None:
-        mask &= j[None, :] > q_pos[:, None] - sliding_window
+        mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
     mask &= valid[:, None]
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(mask[:, None, None, :], probs, 0.0)  # padding rows are all -inf
-    out = jnp.einsum("tkgj,tjkd->tkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum(out_eq, probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, q_heads, head_dim).astype(q.dtype)

@@ -124,11 +124,13 @@ def test_write_kv_pages_places_each_token():
         np.testing.assert_array_equal(new[untouched], old[untouched])
 
 
+@pytest.mark.parametrize("per_sequence", [None, True, False], ids=["auto", "per-sequence", "per-token"])
 @pytest.mark.parametrize("soft_cap", [None, 1.5])
 @pytest.mark.parametrize("sliding_window", [None, 6])
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_mixed_batch_matches_numpy(group, sliding_window, soft_cap):
-    """Decode, prefill, chunked prefill, zero-length sequences and padding tokens at once."""
+def test_mixed_batch_matches_numpy(group, sliding_window, soft_cap, per_sequence):
+    """Decode, prefill, chunked prefill, zero-length sequences and padding tokens at once,
+    with either context layout."""
     rng = np.random.default_rng(group + 10 * (sliding_window is None) + 100 * (soft_cap is None))
     q_lens, kv_lens = [q for q, _ in MIXED_BATCH], [n for _, n in MIXED_BATCH]
     k_ctx, v_ctx, page_indices, _, (k_pages, v_pages) = fill_pages(rng, kv_lens)
@@ -148,6 +150,7 @@ def test_mixed_batch_matches_numpy(group, sliding_window, soft_cap):
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        per_sequence=per_sequence,
     )
     want = np.zeros(q.shape)
     for s in range(len(MIXED_BATCH)):
