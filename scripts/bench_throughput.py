@@ -56,7 +56,6 @@ import transformers
 from transformers import AutoModelForCausalLM, BambaConfig, BambaForCausalLM, PreTrainedModel
 
 from jaxengine import LLM, SamplingParams
-from jaxengine.engine.runner import num_compiled_steps
 
 SEED = 0
 EMBED_SCALE = 10.0  # spreads the random model's logits so greedy picks are not near-ties
@@ -238,7 +237,7 @@ def bench_batch(
     agree = sum(o.token_ids == t for o, t in zip(jax_outs, hf_tokens.tolist()))
 
     jax_walls, jax_ttfts, jax_steps, hf_walls, hf_ttfts = [], [], [], [], []
-    compiled = num_compiled_steps()  # the timed runs must not compile
+    compiled = llm.engine.runner.num_compiled_steps()  # the timed runs must not compile
     for prompts in prompt_sets[1:]:
         wall, outs = jaxengine_run(llm, prompts, max_tokens)
         jax_walls.append(wall)
@@ -247,7 +246,7 @@ def bench_batch(
         input_ids = torch.tensor(prompts)
         hf_walls.append(hf_run(model, input_ids, max_tokens)[0])
         hf_ttfts.append(hf_run(model, input_ids, 1)[0])
-    recompiles = num_compiled_steps() - compiled
+    recompiles = llm.engine.runner.num_compiled_steps() - compiled
 
     med = statistics.median
     tokens = batch * max_tokens

@@ -664,7 +664,6 @@ def run_engine(model_dir: Path, kernels: str, spec: EngineSpec) -> EngineRun:
     """Loads the model, runs decode and prefill once untimed (compiling their shapes), then
     `spec.repeats` timed runs of each, every run with fresh prompts (no prefix-cache hits)."""
     from jaxengine import LLM, SamplingParams  # after JAX's GPU start-up (see build_random_bamba)
-    from jaxengine.engine.runner import num_compiled_steps
 
     vocab = spec.bamba["vocab_size"]
     decode = SamplingParams(max_tokens=spec.decode_tokens, temperature=0.0, ignore_eos=True)
@@ -692,14 +691,14 @@ def run_engine(model_dir: Path, kernels: str, spec: EngineSpec) -> EngineRun:
     first_decode = run(decode, spec.decode_batch, spec.decode_prompt_len, SEED)[1]
     first_prefill = run(prefill, spec.prefill_prompts, spec.prefill_len, SEED + 1)[1]
     first_runs_s = time.perf_counter() - start
-    compiled = num_compiled_steps()
+    compiled = llm.engine.runner.num_compiled_steps()
     walls, step_s, prefill_walls = [], [], []
     for i in range(spec.repeats):
         wall, outs = run(decode, spec.decode_batch, spec.decode_prompt_len, SEED + 100 + i)
         walls.append(wall)
         step_s.append(statistics.mean(o.time_per_output_token for o in outs))
         prefill_walls.append(run(prefill, spec.prefill_prompts, spec.prefill_len, SEED + 200 + i)[0])
-    recompiles = num_compiled_steps() - compiled
+    recompiles = llm.engine.runner.num_compiled_steps() - compiled
     med = statistics.median
     return EngineRun(
         kernels=kernels,

@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.tree_util import PyTreeDef
 
 from jaxengine.engine.pools import allocate_pools
 from jaxengine.engine.sampler import SampleOutput, SamplingBatch, sample_tokens
@@ -17,19 +18,18 @@ from jaxengine.models.batch import Pools, StepBatch
 from jaxengine.models.config import ModelConfig
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "decode", "all_logits"), donate_argnames=("pools",))
-def model_step(
-    graphdef: nnx.GraphDef, params: nnx.State, pools: Pools, batch: StepBatch, *, decode: bool, all_logits: bool
+def _model_step(
+    graphdef: nnx.GraphDef, treedef: PyTreeDef, param_leaves: list, pools: Pools, batch: StepBatch, *, decode: bool, all_logits: bool
 ) -> tuple[jax.Array, Pools]:
     """One pure forward step: merges the model inside, returns logits and the new pools."""
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
     return model(pools, batch, decode=decode, all_logits=all_logits)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "decode", "num_logprobs"), donate_argnames=("pools",))
-def sample_step(
+def _sample_step(
     graphdef: nnx.GraphDef,
-    params: nnx.State,
+    treedef: PyTreeDef,
+    param_leaves: list,
     pools: Pools,
     batch: StepBatch,
     sampling: SamplingBatch,
@@ -38,8 +38,7 @@ def sample_step(
     num_logprobs: int,
 ) -> tuple[SampleOutput, Pools]:
     """One engine step: forward, then sample each sequence's next token on device."""
-    model = nnx.merge(graphdef, params)
-    logits, pools = model(pools, batch, decode=decode, all_logits=False)
+    logits, pools = _model_step(graphdef, treedef, param_leaves, pools, batch, decode=decode, all_logits=False)
     return sample_tokens(logits, sampling, num_logprobs), pools
 
 
@@ -49,11 +48,6 @@ def enable_compilation_cache(directory: str | Path) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     compilation_cache.reset_cache()  # JAX decides once per process; make it look again
-
-
-def num_compiled_steps() -> int:
-    """How many step executables have been compiled in this process (for recompile checks)."""
-    return sample_step._cache_size() + model_step._cache_size()
 
 
 class ModelRunner:
@@ -78,6 +72,17 @@ class ModelRunner:
         self.graphdef = graphdef
         self.params = jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
         dtype = jax.tree.leaves(params)[0].dtype
+        # The steps are jitted here with the model's structure bound, and take the parameters
+        # as a flat list: hashing the graph definition and flattening the parameter tree on
+        # every call cost milliseconds of host time per step.
+        self.param_leaves, treedef = jax.tree.flatten(self.params)
+        bound = dict(graphdef=graphdef, treedef=treedef)
+        self.model_step = jax.jit(
+            functools.partial(_model_step, **bound), static_argnames=("decode", "all_logits"), donate_argnames=("pools",)
+        )
+        self.sample_step = jax.jit(
+            functools.partial(_sample_step, **bound), static_argnames=("decode", "num_logprobs"), donate_argnames=("pools",)
+        )
         self.pools = allocate_pools(
             cfg, num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=dtype, mesh=self.mesh
         )
@@ -88,23 +93,26 @@ class ModelRunner:
 
     def logits(self, batch: StepBatch, *, decode: bool = False, all_logits: bool = False) -> jax.Array:
         """Runs one step and returns float32 logits (every token's when `all_logits`)."""
-        logits, self.pools = model_step(
-            self.graphdef, self.params, self.pools, self._device(batch), decode=decode, all_logits=all_logits
+        logits, self.pools = self.model_step(
+            param_leaves=self.param_leaves, pools=self.pools, batch=self._device(batch), decode=decode, all_logits=all_logits
         )
         return logits
 
     def sample(self, batch: StepBatch, sampling: SamplingBatch, *, decode: bool) -> SampleOutput:
         """Runs one step and samples each sequence's next token on device."""
-        out, self.pools = sample_step(
-            self.graphdef,
-            self.params,
-            self.pools,
-            self._device(batch),
-            self._device(sampling),
+        out, self.pools = self.sample_step(
+            param_leaves=self.param_leaves,
+            pools=self.pools,
+            batch=self._device(batch),
+            sampling=self._device(sampling),
             decode=decode,
             num_logprobs=self.num_logprobs,
         )
         return out
+
+    def num_compiled_steps(self) -> int:
+        """How many step executables this runner has compiled (for recompile checks)."""
+        return self.sample_step._cache_size() + self.model_step._cache_size()
 
     def warm_up(self, batches: list[tuple[StepBatch, SamplingBatch, bool]], progress: Callable | None = None) -> None:
         """Compiles the step for every given (all-padding) batch before real work starts."""

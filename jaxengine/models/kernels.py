@@ -13,9 +13,16 @@ Every implementation has the signatures of the pure-jnp references in `pallas_ke
 Only ragged paged attention and the ragged SSD scan have kernels; the causal conv1d and
 the one-token SSD update always use the references (XLA fuses them well: they move a few
 columns per sequence).
+
+The reference scan runs on a grid of short rows (`REFERENCE_SCAN_ROW` tokens, or the chunk
+size if smaller) rather than whole chunks. Any divisor of the chunk size gives the same
+outputs and the same states at chunk boundaries (they are among the rows' end states), but
+on a CPU short rows cost far less: the quadratic intra-row work shrinks with the row, and a
+decoding sequence inside a mixed step fills one short row instead of a whole chunk.
 """
 
 import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -29,6 +36,7 @@ from pallas_kernels.ssd import kernel_gpu as ssd_gpu
 from pallas_kernels.ssd import kernel_tpu as ssd_tpu
 from pallas_kernels.ssd import ragged_ssd_scan, ssd_state_update
 
+REFERENCE_SCAN_ROW = 16  # tokens per row of the reference scan's grid (measured best on CPU)
 KERNELS = ("auto", "reference", "pallas", "pallas-interpret-tpu", "pallas-interpret-gpu")
 
 
@@ -57,6 +65,12 @@ def _tpu_scan_fits(*args, chunk_size: int, **kwargs) -> bool:
     return chunk_size % 128 == 0
 
 
+@functools.wraps(ragged_ssd_scan)
+def reference_scan(*args, chunk_size: int, **kwargs):
+    """The reference scan on rows of gcd(chunk_size, REFERENCE_SCAN_ROW) tokens."""
+    return ragged_ssd_scan(*args, chunk_size=math.gcd(chunk_size, REFERENCE_SCAN_ROW), **kwargs)
+
+
 def _with_fallback(kernel: Callable, reference: Callable, fits: Callable[..., bool]) -> Callable:
     """`kernel` where `fits` says the (static) shapes suit it, else `reference`."""
 
@@ -77,7 +91,7 @@ def kernel_ops(name: str) -> KernelOps:
         raise ValueError(f"unknown kernels={name!r}; supported: {', '.join(KERNELS)}")
     backend = jax.default_backend()
     if name == "reference" or (name == "auto" and backend not in ("tpu", "gpu")):
-        return _ops(ragged_paged_attention, ragged_ssd_scan)
+        return _ops(ragged_paged_attention, reference_scan)
     if name == "pallas-interpret-tpu":
         interp = dict(interpret=True)
         return _ops(
@@ -103,5 +117,5 @@ def kernel_ops(name: str) -> KernelOps:
         return _ops(attention, scan)
     return _ops(
         _with_fallback(attention, ragged_paged_attention, attention_fits),
-        _with_fallback(scan, ragged_ssd_scan, scan_fits),
+        _with_fallback(scan, reference_scan, scan_fits),
     )

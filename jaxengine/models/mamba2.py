@@ -14,12 +14,14 @@ from pallas_kernels.causal_conv1d import conv_states_after
 def _read_slots(pool: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax.Array:
     """Each sequence's state from its read slot; zeros where it starts at position 0.
 
-    The gather takes one extra row (the null slot 0) that is dropped again. With a single
-    index XLA turns the gather into a dynamic slice and fuses copies of it into every
-    consumer, some of which may run after the pool's in-place scatter, so it copies the
-    whole pool (twice) on every one-sequence step instead."""
-    padded = jnp.concatenate([slots, jnp.zeros((1,), slots.dtype)])
-    rows = pool[padded][: slots.shape[0]]  # [S, ...]
+    With a single sequence the gather takes one extra row (the null slot 0) that is dropped
+    again: with a single index XLA turns the gather into a dynamic slice and fuses copies of
+    it into every consumer, some of which may run after the pool's in-place scatter, so it
+    copies the whole pool (twice) on every one-sequence step instead."""
+    if slots.shape[0] == 1:
+        rows = pool[jnp.concatenate([slots, jnp.zeros((1,), slots.dtype)])][:1]  # [1, ...]
+    else:
+        rows = pool[slots]  # [S, ...]
     return jnp.where(fresh.reshape(-1, *[1] * (pool.ndim - 1)), 0, rows)
 
 

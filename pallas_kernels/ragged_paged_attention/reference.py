@@ -82,15 +82,16 @@ def ragged_paged_attention(
       * per sequence: each sequence's pages are gathered once, [S * ctx, Hkv, D], and every
         token scores against all of them with the other sequences masked out — one matrix
         product, [T, Hq, S * ctx] scores.
-    `per_sequence=None` takes the one that moves fewer values: per sequence when the scores
-    of S contexts (S * Hq per position) are smaller than a token's own K and V copies
-    (2 * Hkv * D per position)."""
+    `per_sequence=None` takes the cheaper one: per sequence when the scores of S contexts
+    (S * Hq per position, each costing about four times a copied value on a CPU: product,
+    exponential, sum, normalisation) cost less than a token's own K and V copies (2 * Hkv * D
+    per position)."""
     validate_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
     num_tokens, q_heads, head_dim = q.shape
     num_seqs, pages_per_seq = page_indices.shape
     _, page_size, kv_heads, _ = k_pages.shape
     if per_sequence is None:
-        per_sequence = num_seqs * q_heads < 2 * kv_heads * head_dim
+        per_sequence = 4 * num_seqs * q_heads < 2 * kv_heads * head_dim
     group = q_heads // kv_heads
     seq, _, valid = token_segments(cu_q_lens, num_tokens)
     q_pos = kv_lens[seq] - (cu_q_lens[seq + 1] - jnp.arange(num_tokens))  # [T]

@@ -125,15 +125,17 @@ def ragged_ssd_scan(
     row_used = row_seq < num_seqs
     row_seq = jnp.where(row_used, row_seq, num_seqs)
     is_first = row_used & (jnp.arange(num_rows) == cu_rows[jnp.clip(row_seq, 0, num_seqs - 1)])
-    row_init = init_states.astype(f32)[jnp.clip(row_seq, 0, num_seqs - 1)]
+    init_f32 = jnp.asarray(init_states, f32)
 
     def carry(prev, inputs):
-        first, init, dec, contrib = inputs
-        start = jnp.where(first, init, prev)
+        first, seq_of_row, dec, contrib = inputs
+        # Indexed inside the loop: a gather of every row's initial state up front is slow on CPU.
+        start = jnp.where(first, init_f32[seq_of_row], prev)
         return dec[:, None, None] * start + contrib, (start, dec[:, None, None] * start + contrib)
 
     zero = jnp.zeros((num_heads, head_dim, state_size), f32)
-    _, (start_states, end_states) = jax.lax.scan(carry, zero, (is_first, row_init, row_decay, row_states))
+    row_seq_in_range = jnp.clip(row_seq, 0, num_seqs - 1)
+    _, (start_states, end_states) = jax.lax.scan(carry, zero, (is_first, row_seq_in_range, row_decay, row_states))
 
     # 4. Contribution of each row's starting state to its outputs.
     y_off = jnp.einsum("rlhn,rhpn,rhl->rlhp", Cg, start_states, jnp.exp(a_cum))

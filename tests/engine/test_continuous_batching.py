@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from jaxengine import LLM, SamplingParams
-from jaxengine.engine.runner import num_compiled_steps
 from tests.engine.conftest import ENGINE_ARGS
 from tests.models.tiny_models import hf_greedy, random_prompt
 
@@ -40,10 +39,10 @@ def test_greedy_matches_transformers_under_preemption(tiny_models, arch):
 
 def test_no_compiles_after_warm_up(bamba_llm):
     """After warm-up, a run over mixed prompt lengths compiles nothing new."""
-    before = num_compiled_steps()
+    before = bamba_llm.engine.runner.num_compiled_steps()
     prompts, _ = _workload(seed=2, n=12)
     bamba_llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
-    assert num_compiled_steps() == before
+    assert bamba_llm.engine.runner.num_compiled_steps() == before
 
 
 def test_streaming_yields_the_same_tokens_as_generate(bamba_llm):

@@ -1,10 +1,11 @@
 """The engine with the Pallas kernels (in their interpreters) gives the references' tokens."""
 
+import numpy as np
 import pytest
 from transformers import BambaConfig, BambaForCausalLM
 
 from jaxengine import LLM, SamplingParams
-from jaxengine.models.kernels import kernel_ops
+from jaxengine.models.kernels import REFERENCE_SCAN_ROW, kernel_ops, reference_scan
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ssd import ragged_ssd_scan
 from tests.models.tiny_models import perturb_, random_prompt
@@ -39,8 +40,38 @@ def test_interpreted_kernels_match_references_end_to_end(kernel_friendly_bamba, 
 
 def test_cpu_uses_references_and_unknown_names_fail():
     ops = kernel_ops("auto")
-    assert ops.ragged_paged_attention is ragged_paged_attention and ops.ragged_ssd_scan is ragged_ssd_scan
+    assert ops.ragged_paged_attention is ragged_paged_attention and ops.ragged_ssd_scan is reference_scan
     with pytest.raises(ValueError, match="needs a TPU or GPU backend"):
         kernel_ops("pallas")
     with pytest.raises(ValueError, match="unknown kernels='cuda'"):
         kernel_ops("cuda")
+
+
+def test_reference_scan_on_short_rows_equals_the_chunk_grid():
+    """The engine's reference scan runs on rows shorter than the chunk: same outputs, and the
+    states it returns at chunk boundaries are the chunk grid's."""
+    chunk, heads, head_dim, state = 4 * REFERENCE_SCAN_ROW, 2, 8, 4
+    rng = np.random.default_rng(0)
+    lens, starts = [150, 1, 0, 37], [0, 70, 0, 100]  # long, decode, empty, mid-chunk start
+    num_tokens = sum(lens) + 5
+    x = rng.standard_normal((num_tokens, heads, head_dim)).astype(np.float32)
+    dt = rng.uniform(0.01, 0.1, (num_tokens, heads)).astype(np.float32)
+    A = -rng.uniform(0.5, 1.5, heads).astype(np.float32)
+    B, C = (rng.standard_normal((num_tokens, 1, state)).astype(np.float32) for _ in range(2))
+    init = rng.standard_normal((len(lens), heads, head_dim, state)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    args = (x, dt, A, B, C, init, cu, np.asarray(starts, np.int32))
+    want = ragged_ssd_scan(*args, chunk_size=chunk)
+    got = reference_scan(*args, chunk_size=chunk)
+    np.testing.assert_allclose(got.y, want.y, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got.final_states, want.final_states, rtol=1e-4, atol=1e-4)
+    assert got.chunk_states.shape[0] > want.chunk_states.shape[0]  # it did use shorter rows
+    checked = 0
+    for r in range(want.chunk_states.shape[0]):
+        seq, end = int(want.chunk_seq[r]), int(want.chunk_end[r])
+        if seq < len(lens) and end % chunk == 0:
+            match = np.flatnonzero((np.asarray(got.chunk_seq) == seq) & (np.asarray(got.chunk_end) == end))
+            assert len(match) == 1, (seq, end)
+            np.testing.assert_allclose(got.chunk_states[match[0]], want.chunk_states[r], rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked >= 3  # the long sequence crosses chunk boundaries 64 and 128, the mid-chunk one 128

@@ -10,8 +10,6 @@ import re
 import jax
 import pytest
 
-from jaxengine.engine.runner import sample_step
-
 # An HLO instruction: `%name = f32[97,6,64,64]{3,2,1,0} opcode(`.
 _INSTRUCTION = re.compile(r"= [a-z0-9]+\[([\d,]*)\]\{[^}]*\} ([a-z-]+)\(")
 
@@ -40,9 +38,9 @@ def test_no_step_copies_a_pool(bamba_llm, decode):
     for shape in shapes:
         batch, sampling = engine.builder.empty(shape)
         hlo = (
-            sample_step.lower(
-                runner.graphdef, runner.params, runner.pools, runner._device(batch), runner._device(sampling),
-                decode=shape.decode, num_logprobs=runner.num_logprobs,
+            runner.sample_step.lower(
+                param_leaves=runner.param_leaves, pools=runner.pools, batch=runner._device(batch),
+                sampling=runner._device(sampling), decode=shape.decode, num_logprobs=runner.num_logprobs,
             )
             .compile()
             .as_text()
