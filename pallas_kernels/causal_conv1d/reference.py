@@ -50,13 +50,26 @@ def ragged_causal_conv1d(
     """Convolves every sequence of a ragged batch, continuing from its conv state."""
     num_tokens, _ = x.shape
     kernel = weight.shape[1]
-    seq, local, valid = token_segments(cu_seqlens, num_tokens)
+    _, local, valid = token_segments(cu_seqlens, num_tokens)
     seq_len = cu_seqlens[1:] - cu_seqlens[:-1]
+    w = weight.astype(jnp.float32)
+    f32_x = x.astype(jnp.float32)
 
+    # Columns from this step's own tokens: tap k reads the token `shift` rows earlier, if that
+    # is still the same sequence (a static shift, no gather).
     out = jnp.zeros(x.shape, jnp.float32) if bias is None else jnp.broadcast_to(bias.astype(jnp.float32), x.shape)
     for k in range(kernel):
-        col = _column(x, conv_states, cu_seqlens, seq, local - (kernel - 1 - k))
-        out = out + weight[:, k].astype(jnp.float32) * col.astype(jnp.float32)
+        shift = kernel - 1 - k
+        earlier = jnp.concatenate([jnp.zeros((shift, x.shape[1]), jnp.float32), f32_x[: num_tokens - shift]])
+        out = out + w[:, k] * jnp.where((local >= shift)[:, None], earlier, 0.0)
+    # Columns from the conv state reach only each sequence's first K - 1 tokens: add them per
+    # sequence, [S, D] at a time.
+    states = conv_states.astype(jnp.float32)
+    for pos in range(kernel - 1):
+        taps = [k for k in range(kernel) if kernel - 1 - k > pos]  # taps that reach before the step
+        from_state = sum(w[:, k] * states[:, :, kernel + pos - (kernel - 1 - k)] for k in taps)  # [S, D]
+        token = jnp.where(pos < seq_len, cu_seqlens[:-1] + pos, num_tokens)  # dropped if too short
+        out = out.at[token].add(from_state, mode="drop")
     out = jnp.where(valid[:, None], out, 0.0).astype(x.dtype)
 
     seqs = jnp.arange(conv_states.shape[0])

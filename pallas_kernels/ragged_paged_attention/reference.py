@@ -12,6 +12,8 @@ Layout (shared with the Pallas kernels that will match this signature):
 Page 0 is a null sink: padding writes there and nothing valid reads it.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -61,6 +63,9 @@ def write_kv_pages(
     return k_pages, v_pages
 
 
+QUERY_BLOCK = 32  # query tokens attended at a time: bounds the temporaries of a long step
+
+
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
     k_pages: jax.Array,  # [num_pages, page_size, Hkv, D]
@@ -76,17 +81,19 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, Hq, D]; zero for padding tokens
     """Attends each query token to the cached context of its own sequence.
 
-    Two ways to lay out the context, with equal results:
-      * per token: each token gathers its own sequence's pages, [T, ctx, Hkv, D] — the
-        whole context copied once per query token, cheap only when each sequence has one;
+    Query tokens go through in blocks of up to `QUERY_BLOCK` (a loop), so the temporaries
+    stay small however long the step. Two ways to lay out the context, with equal results:
+      * per token: each token gathers its own sequence's pages, [block, ctx, Hkv, D] — the
+        context copied once per query token, cheap only when each sequence has few;
       * per sequence: each sequence's pages are gathered once, [S * ctx, Hkv, D], and every
-        token scores against all of them with the other sequences masked out — one matrix
-        product, [T, Hq, S * ctx] scores.
+        token scores against all of them with the other sequences masked out, [block, Hq,
+        S * ctx] scores.
     `per_sequence=None` takes the cheaper one: per sequence when the scores of S contexts
     (S * Hq per position, each costing about four times a copied value on a CPU: product,
     exponential, sum, normalisation) cost less than a token's own K and V copies (2 * Hkv * D
     per position)."""
     validate_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
+    k_pages, v_pages, page_indices = jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(page_indices)
     num_tokens, q_heads, head_dim = q.shape
     num_seqs, pages_per_seq = page_indices.shape
     _, page_size, kv_heads, _ = k_pages.shape
@@ -96,30 +103,39 @@ def ragged_paged_attention(
     seq, _, valid = token_segments(cu_q_lens, num_tokens)
     q_pos = kv_lens[seq] - (cu_q_lens[seq + 1] - jnp.arange(num_tokens))  # [T]
     ctx = pages_per_seq * page_size
-    qg = q.reshape(num_tokens, kv_heads, group, head_dim)
-
     if per_sequence:
-        k = k_pages[page_indices].reshape(num_seqs * ctx, kv_heads, head_dim)  # [J = S * ctx, Hkv, D]
-        v = v_pages[page_indices].reshape(num_seqs * ctx, kv_heads, head_dim)
-        key_pos = jnp.tile(jnp.arange(ctx), num_seqs)  # [J]
-        mask = jnp.repeat(jnp.arange(num_seqs), ctx)[None, :] == seq[:, None]  # [T, J]
-        scores_eq, out_eq = "tkgd,jkd->tkgj", "tkgj,jkd->tkgd"
-    else:
-        k = k_pages[page_indices[seq]].reshape(num_tokens, ctx, kv_heads, head_dim)  # [T, J = ctx, Hkv, D]
-        v = v_pages[page_indices[seq]].reshape(num_tokens, ctx, kv_heads, head_dim)
-        key_pos = jnp.arange(ctx)  # [J]
-        mask = jnp.ones((num_tokens, ctx), bool)
-        scores_eq, out_eq = "tkgd,tjkd->tkgj", "tkgj,tjkd->tkgd"
+        k_all = k_pages[page_indices].reshape(num_seqs * ctx, kv_heads, head_dim)  # [S * ctx, Hkv, D]
+        v_all = v_pages[page_indices].reshape(num_seqs * ctx, kv_heads, head_dim)
+        key_seq = jnp.repeat(jnp.arange(num_seqs), ctx)  # [S * ctx]
+        key_pos = jnp.tile(jnp.arange(ctx), num_seqs)
 
-    scores = jnp.einsum(scores_eq, qg, k, preferred_element_type=jnp.float32) * sm_scale  # [T, Hkv, G, J]
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
-    mask &= key_pos[None, :] <= q_pos[:, None]
-    if sliding_window is not None:
-        mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
-    mask &= valid[:, None]
-    scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask[:, None, None, :], probs, 0.0)  # padding rows are all -inf
-    out = jnp.einsum(out_eq, probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    def attend_block(block):  # one block of B query tokens -> [B, Hkv, G, D]
+        qg, seq, q_pos, valid = block  # [B, Hkv, G, D], [B], [B], [B]
+        if per_sequence:
+            k, v = k_all, v_all  # [J = S * ctx, Hkv, D]
+            pos = key_pos
+            mask = key_seq[None, :] == seq[:, None]  # [B, J]
+            scores_eq, out_eq = "tkgd,jkd->tkgj", "tkgj,jkd->tkgd"
+        else:
+            k = k_pages[page_indices[seq]].reshape(-1, ctx, kv_heads, head_dim)  # [B, J = ctx, Hkv, D]
+            v = v_pages[page_indices[seq]].reshape(-1, ctx, kv_heads, head_dim)
+            pos = jnp.arange(ctx)
+            mask = jnp.ones((seq.shape[0], ctx), bool)
+            scores_eq, out_eq = "tkgd,tjkd->tkgj", "tkgj,tjkd->tkgd"
+        scores = jnp.einsum(scores_eq, qg, k, preferred_element_type=jnp.float32) * sm_scale  # [B, Hkv, G, J]
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        mask &= pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= pos[None, :] > q_pos[:, None] - sliding_window
+        mask &= valid[:, None]
+        scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        probs = jnp.where(mask[:, None, None, :], probs, 0.0)  # padding rows are all -inf
+        return jnp.einsum(out_eq, probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+    block = math.gcd(num_tokens, QUERY_BLOCK)
+    qg = q.reshape(num_tokens // block, block, kv_heads, group, head_dim)
+    blocks = (qg, *(a.reshape(num_tokens // block, block) for a in (seq, q_pos, valid)))
+    out = jax.lax.map(attend_block, blocks)  # [T / B, B, Hkv, G, D]
     return out.reshape(num_tokens, q_heads, head_dim).astype(q.dtype)
