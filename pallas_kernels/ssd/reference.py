@@ -15,7 +15,7 @@ are multiples of `chunk_size`, whichever step computed them. Chunks never cross 
 Implementation: every (sequence, absolute chunk) pair that has tokens gets a row of a
 `[R, chunk_size]` grid, each token placed at column `position % chunk_size`; empty cells have
 dt = 0, which neither decays nor feeds the state. The quadratic intra-chunk form runs on
-every row at once, then a scan over rows carries states, restarting at each sequence's
+every row at once, then a loop over rows carries states, restarting at each sequence's
 first row from its initial state.
 """
 
@@ -111,42 +111,43 @@ def ragged_ssd_scan(
     Cg = _heads(grid(C.astype(f32)), num_heads)
 
     a_cum = jnp.cumsum(adt, axis=-1)  # [R, H, cs]
-    # 1. Within each row, the quadratic ("attention-like") form.
+    # 1. Within each row, the quadratic ("attention-like") form, every row at once.
     decay = jnp.exp(_segsum(adt))  # [R, H, cs(l), cs(s)]
     scores = jnp.einsum("rlhn,rshn->rhls", Cg, Bg) * decay
     y_diag = jnp.einsum("rhls,rshp->rlhp", scores, xg)
-    # 2. Each row's contribution to the state at its end, from a zero start.
-    to_end = jnp.exp(a_cum[..., -1:] - a_cum)  # [R, H, cs]
-    row_states = jnp.einsum("rlhn,rhl,rlhp->rhpn", Bg, to_end, xg)
-    row_decay = jnp.exp(a_cum[..., -1])  # [R, H]
 
-    # 3. Carry states across rows; a sequence's first row starts from its initial state.
+    # 2. A loop over rows carries the state: a sequence's first row starts from its initial
+    #    state; each row adds its starting state's contribution to its outputs, and its end
+    #    state is the decayed start plus the row's own inputs. Working row by row keeps the
+    #    [H, P, N] states out of [R, ...] temporaries unless `chunk_states` is used.
     row_seq = jnp.searchsorted(cu_rows, jnp.arange(num_rows), side="right").astype(jnp.int32) - 1
     row_used = row_seq < num_seqs
     row_seq = jnp.where(row_used, row_seq, num_seqs)
-    is_first = row_used & (jnp.arange(num_rows) == cu_rows[jnp.clip(row_seq, 0, num_seqs - 1)])
+    seq_of_row = jnp.clip(row_seq, 0, num_seqs - 1)
+    is_first = row_used & (jnp.arange(num_rows) == cu_rows[seq_of_row])
+    is_last = row_used & (jnp.arange(num_rows) == cu_rows[seq_of_row + 1] - 1)
     init_f32 = jnp.asarray(init_states, f32)
 
-    def carry(prev, inputs):
-        first, seq_of_row, dec, contrib = inputs
-        # Indexed inside the loop: a gather of every row's initial state up front is slow on CPU.
-        start = jnp.where(first, init_f32[seq_of_row], prev)
-        return dec[:, None, None] * start + contrib, (start, dec[:, None, None] * start + contrib)
+    def row_step(carry, row):
+        state, finals = carry  # [H, P, N], [S + 1, H, P, N] (row S: scratch)
+        first, last, seq, x_r, B_r, C_r, a_r = row  # x_r [cs, H, P], B_r/C_r [cs, H, N], a_r [H, cs]
+        start = jnp.where(first, init_f32[seq], state)
+        y_off = jnp.einsum("lhn,hpn,hl->lhp", C_r, start, jnp.exp(a_r))
+        to_end = jnp.exp(a_r[:, -1:] - a_r)  # [H, cs]
+        end = jnp.exp(a_r[:, -1])[:, None, None] * start + jnp.einsum("lhn,hl,lhp->hpn", B_r, to_end, x_r)
+        finals = finals.at[jnp.where(last, seq, num_seqs)].set(end)
+        return (end, finals), (y_off, end)
 
-    zero = jnp.zeros((num_heads, head_dim, state_size), f32)
-    row_seq_in_range = jnp.clip(row_seq, 0, num_seqs - 1)
-    _, (start_states, end_states) = jax.lax.scan(carry, zero, (is_first, row_seq_in_range, row_decay, row_states))
-
-    # 4. Contribution of each row's starting state to its outputs.
-    y_off = jnp.einsum("rlhn,rhpn,rhl->rlhp", Cg, start_states, jnp.exp(a_cum))
-    y_grid = y_diag + y_off
+    state_shape = (num_heads, head_dim, state_size)
+    carry = (jnp.zeros(state_shape, f32), jnp.zeros((num_seqs + 1, *state_shape), f32))
+    rows = (is_first, is_last, seq_of_row, xg, Bg, Cg, a_cum)
+    (_, finals), (y_off, end_states) = jax.lax.scan(row_step, carry, rows)  # [R, cs, H, P], [R, H, P, N]
+    y_grid = y_diag + y_off  # [R, cs, H, P]
     y = jnp.where(valid[:, None, None], y_grid[jnp.clip(row, 0, num_rows - 1), col], 0.0)
+    final_states = jnp.where((seq_len > 0)[:, None, None, None], finals[:num_seqs], init_f32)
 
-    last_row = jnp.clip(cu_rows[1:] - 1, 0, num_rows - 1)
-    final_states = jnp.where((seq_len > 0)[:, None, None, None], end_states[last_row], init_states.astype(f32))
-
-    chunk_of_row = first_chunk[jnp.clip(row_seq, 0, num_seqs - 1)] + jnp.arange(num_rows) - cu_rows[jnp.clip(row_seq, 0, num_seqs - 1)]
-    seq_end = (start_pos + seq_len)[jnp.clip(row_seq, 0, num_seqs - 1)]
+    chunk_of_row = first_chunk[seq_of_row] + jnp.arange(num_rows) - cu_rows[seq_of_row]
+    seq_end = (start_pos + seq_len)[seq_of_row]
     chunk_end = jnp.where(row_used, jnp.minimum((chunk_of_row + 1) * cs, seq_end), 0).astype(jnp.int32)
     return RaggedScanOutput(y, final_states, end_states, row_seq, chunk_end)
 
