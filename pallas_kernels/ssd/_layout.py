@@ -1,9 +1,9 @@
-"""Row metadata and per-token decays shared by the SSD Pallas kernels.
+"""Row metadata shared by the SSD reference and Pallas kernels, and per-token decays.
 
 The kernels must lay out chunk rows exactly like `reference.ragged_ssd_scan` (same
-`num_scan_rows`, same row order, same `chunk_seq` / `chunk_end`), so this module recomputes
-the reference's row bookkeeping with the same jnp formulas and adds what a kernel needs to
-find a row's tokens on the flat token axis: each row is a contiguous token range
+`num_scan_rows`, same row order, same `chunk_seq` / `chunk_end`), so the reference and the
+kernels all take their row bookkeeping from `scan_rows`, which also gives what a kernel needs
+to find a row's tokens on the flat token axis: each row is a contiguous token range
 [row_start, row_start + row_len) of at most chunk_size tokens, rows come in token order, and
 together the used rows cover exactly the real tokens [0, cu_seqlens[-1]).
 
@@ -19,7 +19,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ragged import token_segments
-from pallas_kernels.ssd.reference import num_scan_rows
+
+
+def num_scan_rows(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
+    """Static bound on the rows of the chunk grid: each sequence of L tokens spans at most
+    ceil(L / chunk_size) + 1 chunks, and every row holds at least one token."""
+    return min(num_tokens, num_tokens // chunk_size + 2 * num_seqs)
 
 
 class ScanRows(NamedTuple):
@@ -73,7 +78,7 @@ def validate_inputs(x, dt, A, B, C, init_states, cu_seqlens, start_pos, chunk_si
 
 
 def scan_rows(cu_seqlens: jax.Array, start_pos: jax.Array, num_tokens: int, chunk_size: int) -> ScanRows:
-    """Row metadata, with the reference's formulas for the row assignment.
+    """Row metadata of the chunk grid (one row per sequence and absolute chunk it touches).
 
     cu_seqlens: [S + 1] int; start_pos: [S] int.
     """

@@ -13,7 +13,8 @@ chunk boundaries (returned in `chunk_states`) are the states after absolute posi
 are multiples of `chunk_size`, whichever step computed them. Chunks never cross sequences.
 
 Implementation: every (sequence, absolute chunk) pair that has tokens gets a row of a
-`[R, chunk_size]` grid, each token placed at column `position % chunk_size`; empty cells have
+`[R, chunk_size]` grid (the row bookkeeping is `_layout.scan_rows`, shared with the Pallas
+kernels), each token placed at column `position % chunk_size`; empty cells have
 dt = 0, which neither decays nor feeds the state. The quadratic intra-chunk form runs on
 every row at once, then a loop over rows carries states, restarting at each sequence's
 first row from its initial state.
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ragged import token_segments
+from pallas_kernels.ssd._layout import scan_rows
 
 
 class RaggedScanOutput(NamedTuple):
@@ -35,12 +37,6 @@ class RaggedScanOutput(NamedTuple):
     chunk_states: jax.Array  # [R, H, P, N] float32: state after the last token of each row
     chunk_seq: jax.Array  # [R] int32: the row's sequence; S for unused rows
     chunk_end: jax.Array  # [R] int32: absolute position the row's state is at (exclusive end)
-
-
-def num_scan_rows(num_tokens: int, num_seqs: int, chunk_size: int) -> int:
-    """Static bound on the rows of the chunk grid: each sequence of L tokens spans at most
-    ceil(L / chunk_size) + 1 chunks, and every row holds at least one token."""
-    return min(num_tokens, num_tokens // chunk_size + 2 * num_seqs)
 
 
 def _segsum(a: jax.Array) -> jax.Array:
@@ -82,18 +78,14 @@ def ragged_ssd_scan(
     if init_states.shape[1:] != (num_heads, head_dim, state_size):
         raise ValueError(f"init_states must be [S, {num_heads}, {head_dim}, {state_size}], got {init_states.shape}")
     cs = chunk_size
-    num_rows = num_scan_rows(num_tokens, num_seqs, cs)
-
-    # Row of each (sequence, absolute chunk) pair.
-    seq_len = cu_seqlens[1:] - cu_seqlens[:-1]  # [S]
-    first_chunk = start_pos // cs
-    last_chunk = (start_pos + seq_len - 1) // cs
-    rows_per_seq = jnp.where(seq_len > 0, last_chunk - first_chunk + 1, 0)
-    cu_rows = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(rows_per_seq).astype(jnp.int32)])
+    rows = scan_rows(cu_seqlens, start_pos, num_tokens, cs)  # one row per (sequence, absolute chunk)
+    num_rows = rows.chunk_seq.shape[0]
 
     seq, local, valid = token_segments(cu_seqlens, num_tokens)
     pos = start_pos[seq] + local  # [T] absolute positions
-    row = jnp.where(valid, cu_rows[seq] + pos // cs - first_chunk[seq], num_rows)  # out of range: dropped
+    # Used rows cover the real tokens in order, each from its row_start (unused rows start at T).
+    token_row = jnp.searchsorted(rows.row_start, jnp.arange(num_tokens), side="right") - 1
+    row = jnp.where(valid, token_row, num_rows)  # out of range: dropped
     col = pos % cs
 
     f32 = jnp.float32
@@ -120,17 +112,14 @@ def ragged_ssd_scan(
     #    state; each row adds its starting state's contribution to its outputs, and its end
     #    state is the decayed start plus the row's own inputs. Working row by row keeps the
     #    [H, P, N] states out of [R, ...] temporaries unless `chunk_states` is used.
-    row_seq = jnp.searchsorted(cu_rows, jnp.arange(num_rows), side="right").astype(jnp.int32) - 1
-    row_used = row_seq < num_seqs
-    row_seq = jnp.where(row_used, row_seq, num_seqs)
-    seq_of_row = jnp.clip(row_seq, 0, num_seqs - 1)
-    is_first = row_used & (jnp.arange(num_rows) == cu_rows[seq_of_row])
-    is_last = row_used & (jnp.arange(num_rows) == cu_rows[seq_of_row + 1] - 1)
+    seq_of_row = rows.row_seq
+    is_first = rows.row_first.astype(bool)
+    is_last = (rows.chunk_seq < num_seqs) & (jnp.arange(num_rows) == rows.last_row[seq_of_row])
     init_f32 = jnp.asarray(init_states, f32)
 
-    def row_step(carry, row):
+    def row_step(carry, inputs):
         state, finals = carry  # [H, P, N], [S + 1, H, P, N] (row S: scratch)
-        first, last, seq, x_r, B_r, C_r, a_r = row  # x_r [cs, H, P], B_r/C_r [cs, H, N], a_r [H, cs]
+        first, last, seq, x_r, B_r, C_r, a_r = inputs  # x_r [cs, H, P], B_r/C_r [cs, H, N], a_r [H, cs]
         start = jnp.where(first, init_f32[seq], state)
         y_off = jnp.einsum("lhn,hpn,hl->lhp", C_r, start, jnp.exp(a_r))
         to_end = jnp.exp(a_r[:, -1:] - a_r)  # [H, cs]
@@ -140,16 +129,12 @@ def ragged_ssd_scan(
 
     state_shape = (num_heads, head_dim, state_size)
     carry = (jnp.zeros(state_shape, f32), jnp.zeros((num_seqs + 1, *state_shape), f32))
-    rows = (is_first, is_last, seq_of_row, xg, Bg, Cg, a_cum)
-    (_, finals), (y_off, end_states) = jax.lax.scan(row_step, carry, rows)  # [R, cs, H, P], [R, H, P, N]
+    per_row = (is_first, is_last, seq_of_row, xg, Bg, Cg, a_cum)
+    (_, finals), (y_off, end_states) = jax.lax.scan(row_step, carry, per_row)  # [R, cs, H, P], [R, H, P, N]
     y_grid = y_diag + y_off  # [R, cs, H, P]
     y = jnp.where(valid[:, None, None], y_grid[jnp.clip(row, 0, num_rows - 1), col], 0.0)
-    final_states = jnp.where((seq_len > 0)[:, None, None, None], finals[:num_seqs], init_f32)
-
-    chunk_of_row = first_chunk[seq_of_row] + jnp.arange(num_rows) - cu_rows[seq_of_row]
-    seq_end = (start_pos + seq_len)[seq_of_row]
-    chunk_end = jnp.where(row_used, jnp.minimum((chunk_of_row + 1) * cs, seq_end), 0).astype(jnp.int32)
-    return RaggedScanOutput(y, final_states, end_states, row_seq, chunk_end)
+    final_states = jnp.where((rows.seq_len > 0)[:, None, None, None], finals[:num_seqs], init_f32)
+    return RaggedScanOutput(y, final_states, end_states, rows.chunk_seq, rows.chunk_end)
 
 
 def ssd_state_update(

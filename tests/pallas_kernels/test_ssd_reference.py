@@ -8,21 +8,21 @@ a real mistake (a missing decay, a dropped token, a wrong group) moves values by
 their magnitude, far above that.
 """
 
+import functools
+
 import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from pallas_kernels.ssd.reference import num_scan_rows, ragged_ssd_scan, ssd_state_update
+from pallas_kernels.ssd._layout import num_scan_rows
+from pallas_kernels.ssd.reference import ragged_ssd_scan, ssd_state_update
+from tests.pallas_kernels.tolerance import assert_close_to_scale
 
 NUM_HEADS, HEAD_DIM, STATE_SIZE = 4, 3, 5  # H, P, N
 
 
-def assert_close(got, want) -> None:
-    """float32 result vs float64 expectation, to 1e-4 of the expectation's largest magnitude."""
-    want = np.asarray(want, np.float64)
-    scale = max(1.0, float(np.abs(want).max(initial=0.0)))
-    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-4 * scale)
+assert_close = functools.partial(assert_close_to_scale, tol=1e-4)  # see the module docstring
 
 
 def cu_from_lengths(lengths: list[int]) -> np.ndarray:
