@@ -7,19 +7,18 @@ of the magnitudes (~1e-6 here); `assert_close` allows 1e-5 of the largest expect
 magnitude, far below the O(1) change of any real mistake.
 """
 
+import functools
+
 import numpy as np
 import pytest
 
 from pallas_kernels.causal_conv1d.reference import causal_conv1d_update, ragged_causal_conv1d
+from tests.pallas_kernels.tolerance import assert_close_to_scale
 
 CHANNELS = 6  # D
 
 
-def assert_close(got, want) -> None:
-    """float32 result vs float64 expectation, to 1e-5 of the expectation's largest magnitude."""
-    want = np.asarray(want, np.float64)
-    scale = max(1.0, float(np.abs(want).max(initial=0.0)))
-    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5 * scale)
+assert_close = functools.partial(assert_close_to_scale, tol=1e-5)  # see the module docstring
 
 
 def cu_from_lengths(lengths: list[int]) -> np.ndarray:

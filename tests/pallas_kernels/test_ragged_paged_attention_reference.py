@@ -10,6 +10,7 @@ at most a few dozen positions, so its error is ~1e-6 of the magnitudes; `assert_
 allows 1e-5 of the largest expected magnitude, far below the O(1) change of a wrong mask.
 """
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from pallas_kernels.ragged_paged_attention.reference import (
     validate_inputs,
     write_kv_pages,
 )
+from tests.pallas_kernels.tolerance import assert_close_to_scale
 
 PAGE_SIZE, KV_HEADS, HEAD_DIM = 4, 2, 8
 PAGES_PER_SEQ = 11  # the longest context (37 tokens) needs 10 pages
@@ -30,11 +32,7 @@ NUM_PAD = 3  # padding tokens past the last sequence's queries
 MIXED_BATCH = [(1, 37), (0, 0), (9, 9), (5, 21), (0, 0)]
 
 
-def assert_close(got, want) -> None:
-    """float32 result vs float64 expectation, to 1e-5 of the expectation's largest magnitude."""
-    want = np.asarray(want, np.float64)
-    scale = max(1.0, float(np.abs(want).max(initial=0.0)))
-    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5 * scale)
+assert_close = functools.partial(assert_close_to_scale, tol=1e-5)  # see the module docstring
 
 
 def allocate_pages(rng, kv_lens: list[int]) -> tuple[np.ndarray, int]:

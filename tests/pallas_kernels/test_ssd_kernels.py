@@ -36,6 +36,7 @@ from hypothesis import example, given, settings
 
 from pallas_kernels.ssd import kernel_gpu, kernel_tpu
 from pallas_kernels.ssd.reference import ragged_ssd_scan as reference_scan
+from tests.pallas_kernels.tolerance import assert_close_to_scale
 
 NUM_SEQS = 4  # S of every drawn batch
 
@@ -106,11 +107,7 @@ def make_inputs(setup: Setup, lengths, starts, num_groups: int, dtype, seed: int
     return inputs
 
 
-def assert_close(got, want) -> None:
-    """To 1e-4 of the expectation's largest magnitude (see the module docstring)."""
-    want = np.asarray(want, np.float64)
-    scale = max(1.0, float(np.abs(want).max(initial=0.0)))
-    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-4 * scale)
+assert_close = functools.partial(assert_close_to_scale, tol=1e-4)  # see the module docstring
 
 
 def check_against_reference(setup: Setup, lengths, starts, num_groups: int, dtype, seed: int, **options) -> None:

@@ -1,27 +1,15 @@
 """The device check script: its quick run on CPU (kernels in interpret mode) reports every
 check and passes them, its deadline skips checks, and its cost bookkeeping."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import jax
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests.scripts.load_script import load_script
 
-
-def _script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-device_check = _script("device_check")
+device_check = load_script("device_check")
 
 KERNEL_ROWS = [
     "attention decode bf16",

@@ -1,30 +1,19 @@
 """The prefix-cache trace replay: hits worked out by hand from the scheduler's rules, the
 JSON report, the KV budget, and the synthetic system-prompt trace."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from jaxengine.run_config import DEFAULT_MODEL
+from tests.scripts.load_script import load_script
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 HYBRID = DEFAULT_MODEL / "config.json"  # Bamba: 2 attention + 4 Mamba layers, scan chunk 64
 
 
-def _script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-replay = _script("replay_prefix_trace")
-make_trace = _script("make_prefix_trace")
+replay = load_script("replay_prefix_trace")
+make_trace = load_script("make_prefix_trace")
 
 
 @pytest.fixture
