@@ -69,13 +69,12 @@ class ModelRunner:
         self.page_size = page_size
         self.num_logprobs = num_logprobs
         self.mesh = mesh or Mesh(np.array(jax.devices()[:1]), ("model",))
-        self.graphdef = graphdef
-        self.params = jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
         dtype = jax.tree.leaves(params)[0].dtype
         # The steps are jitted here with the model's structure bound, and take the parameters
         # as a flat list: hashing the graph definition and flattening the parameter tree on
         # every call cost milliseconds of host time per step.
-        self.param_leaves, treedef = jax.tree.flatten(self.params)
+        placed = jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
+        self.param_leaves, treedef = jax.tree.flatten(placed)
         bound = dict(graphdef=graphdef, treedef=treedef)
         self.model_step = jax.jit(
             functools.partial(_model_step, **bound), static_argnames=("decode", "all_logits"), donate_argnames=("pools",)
