@@ -1,8 +1,12 @@
 """jaxengine: a pure-JAX inference engine for hybrid attention + Mamba2 language models."""
 
-from jaxengine.engine.engine_config import EngineConfig
-from jaxengine.engine.llm import LLM
-from jaxengine.engine.outputs import RequestOutput, StreamOutput
-from jaxengine.engine.sampling_params import SamplingParams
+from jaxengine.host_memory import tune_malloc_for_cpu
+
+MALLOC_TUNED = tune_malloc_for_cpu()  # opt-in, before anything starts JAX's CPU backend; see host_memory.py
+
+from jaxengine.engine.engine_config import EngineConfig  # noqa: E402
+from jaxengine.engine.llm import LLM  # noqa: E402
+from jaxengine.engine.outputs import RequestOutput, StreamOutput  # noqa: E402
+from jaxengine.engine.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "StreamOutput"]

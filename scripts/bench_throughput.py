@@ -27,7 +27,9 @@ How each figure is measured:
 mask) and sets torch to N threads; the default is every CPU the process may use. On a
 machine shared with other jobs, torch's OpenMP threads slow down badly once the CPUs are
 oversubscribed, and ``--threads 1`` gives steadier numbers for both frameworks. The JSON
-records the load averages at the start and the end of the run.
+records the load averages at the start and the end of the run, and whether the CPU malloc
+settings were on (``JAXENGINE_MALLOC_TUNING=1``, see ``jaxengine/host_memory.py``; they also
+apply to transformers, which runs in the same process).
 
 Usage (from the repository root; ``PYTHONPATH=.`` is not needed after ``pip install -e .``):
   PYTHONPATH=. python scripts/bench_throughput.py --batch-sizes 1 16 --prompt-len 128 --max-tokens 64 \\
@@ -55,6 +57,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, BambaConfig, BambaForCausalLM, PreTrainedModel
 
+import jaxengine
 from jaxengine import LLM, SamplingParams
 
 SEED = 0
@@ -281,6 +284,7 @@ def machine_info(threads: int, load_start: tuple[float, ...]) -> dict[str, Any]:
         "python": platform.python_version(),
         "jax": jax.__version__,
         "jax_backend": jax.default_backend(),
+        "malloc_tuning": jaxengine.MALLOC_TUNED,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
@@ -381,6 +385,7 @@ def main() -> None:
     print(format_table(report["results"]))
     load = report["machine"]["load_average_start"], report["machine"]["load_average_end"]
     print(f"1-minute load average: {load[0][0]:.2f} at the start, {load[1][0]:.2f} at the end ({os.cpu_count()} CPUs)")
+    print(f"CPU malloc settings (JAXENGINE_MALLOC_TUNING=1): {'on' if jaxengine.MALLOC_TUNED else 'off'}")
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.json}")
 

@@ -5,7 +5,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
@@ -86,14 +85,10 @@ class ModelRunner:
             cfg, num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=dtype, mesh=self.mesh
         )
 
-    @staticmethod
-    def _device(tree):
-        return jax.tree.map(jnp.asarray, tree)
-
     def logits(self, batch: StepBatch, *, decode: bool = False, all_logits: bool = False) -> jax.Array:
         """Runs one step and returns float32 logits (every token's when `all_logits`)."""
         logits, self.pools = self.model_step(
-            param_leaves=self.param_leaves, pools=self.pools, batch=self._device(batch), decode=decode, all_logits=all_logits
+            param_leaves=self.param_leaves, pools=self.pools, batch=batch, decode=decode, all_logits=all_logits
         )
         return logits
 
@@ -102,8 +97,8 @@ class ModelRunner:
         out, self.pools = self.sample_step(
             param_leaves=self.param_leaves,
             pools=self.pools,
-            batch=self._device(batch),
-            sampling=self._device(sampling),
+            batch=batch,
+            sampling=sampling,
             decode=decode,
             num_logprobs=self.num_logprobs,
         )

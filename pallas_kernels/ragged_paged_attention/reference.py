@@ -83,8 +83,10 @@ def ragged_paged_attention(
 
     Query tokens go through in blocks of up to `QUERY_BLOCK` (a loop), so the temporaries
     stay small however long the step. Two ways to lay out the context, with equal results:
-      * per token: each token gathers its own sequence's pages, [block, ctx, Hkv, D] — the
-        context copied once per query token, cheap only when each sequence has few;
+      * per token: each sequence's pages are gathered once, K as [S, Hkv, D, ctx] and V as
+        [S, Hkv, ctx, D] (the layouts the two products read), and each token takes its own
+        sequence's, [block, Hkv, D, ctx] — the context copied once per query token, cheap
+        only when each sequence has few;
       * per sequence: each sequence's pages are gathered once, [S * ctx, Hkv, D], and every
         token scores against all of them with the other sequences masked out, [block, Hq,
         S * ctx] scores.
@@ -103,11 +105,17 @@ def ragged_paged_attention(
     seq, _, valid = token_segments(cu_q_lens, num_tokens)
     q_pos = kv_lens[seq] - (cu_q_lens[seq + 1] - jnp.arange(num_tokens))  # [T]
     ctx = pages_per_seq * page_size
+    k_seqs = k_pages[page_indices].reshape(num_seqs, ctx, kv_heads, head_dim)  # [S, ctx, Hkv, D]
+    v_seqs = v_pages[page_indices].reshape(num_seqs, ctx, kv_heads, head_dim)
     if per_sequence:
-        k_all = k_pages[page_indices].reshape(num_seqs * ctx, kv_heads, head_dim)  # [S * ctx, Hkv, D]
-        v_all = v_pages[page_indices].reshape(num_seqs * ctx, kv_heads, head_dim)
+        k_all = k_seqs.reshape(num_seqs * ctx, kv_heads, head_dim)  # [S * ctx, Hkv, D]
+        v_all = v_seqs.reshape(num_seqs * ctx, kv_heads, head_dim)
         key_seq = jnp.repeat(jnp.arange(num_seqs), ctx)  # [S * ctx]
         key_pos = jnp.tile(jnp.arange(ctx), num_seqs)
+    else:
+        # Transposed once here rather than once per query token inside the loop.
+        k_seqs = k_seqs.transpose(0, 2, 3, 1)  # [S, Hkv, D, ctx]
+        v_seqs = v_seqs.transpose(0, 2, 1, 3)  # [S, Hkv, ctx, D]
 
     def attend_block(block):  # one block of B query tokens -> [B, Hkv, G, D]
         qg, seq, q_pos, valid = block  # [B, Hkv, G, D], [B], [B], [B]
@@ -117,11 +125,10 @@ def ragged_paged_attention(
             mask = key_seq[None, :] == seq[:, None]  # [B, J]
             scores_eq, out_eq = "tkgd,jkd->tkgj", "tkgj,jkd->tkgd"
         else:
-            k = k_pages[page_indices[seq]].reshape(-1, ctx, kv_heads, head_dim)  # [B, J = ctx, Hkv, D]
-            v = v_pages[page_indices[seq]].reshape(-1, ctx, kv_heads, head_dim)
+            k, v = k_seqs[seq], v_seqs[seq]  # [B, Hkv, D, J = ctx], [B, Hkv, J, D]
             pos = jnp.arange(ctx)
             mask = jnp.ones((seq.shape[0], ctx), bool)
-            scores_eq, out_eq = "tkgd,tjkd->tkgj", "tkgj,tjkd->tkgd"
+            scores_eq, out_eq = "tkgd,tkdj->tkgj", "tkgj,tkjd->tkgd"
         scores = jnp.einsum(scores_eq, qg, k, preferred_element_type=jnp.float32) * sm_scale  # [B, Hkv, G, J]
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)

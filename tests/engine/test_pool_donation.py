@@ -39,8 +39,8 @@ def test_no_step_copies_a_pool(bamba_llm, decode):
         batch, sampling = engine.builder.empty(shape)
         hlo = (
             runner.sample_step.lower(
-                param_leaves=runner.param_leaves, pools=runner.pools, batch=runner._device(batch),
-                sampling=runner._device(sampling), decode=shape.decode, num_logprobs=runner.num_logprobs,
+                param_leaves=runner.param_leaves, pools=runner.pools, batch=batch,
+                sampling=sampling, decode=shape.decode, num_logprobs=runner.num_logprobs,
             )
             .compile()
             .as_text()
