@@ -9,26 +9,28 @@ import pytest
 
 from jaxengine import host_memory
 
+SETTLING_CALLS, MEASURED_CALLS = 10, 30
+SCRATCH_BYTES = 128 * 2**20
+
 # Runs a jitted function whose scratch (128 MiB for a [4096, 4096] float32 cumulative
-# sum) is allocated and freed on every call, and prints how many of 30 calls, after 10 to
-# settle, faulted more than a quarter of that scratch in anew. With the settings freed
-# blocks stay in the heap; small allocations between calls fragment its holes, so a few
-# calls still grow it, mostly early on.
-PROBE = """
+# sum) is allocated and freed on every call, and prints how many of the measured calls,
+# after some to settle, faulted more than a quarter of that scratch in anew. With the
+# settings freed blocks stay in the heap; small allocations between calls fragment its
+# holes, so a few calls still grow it, mostly early on.
+PROBE = f"""
 import json, resource
 import jaxengine
 import jax, jax.numpy as jnp
 x = jnp.ones((4096, 4096), jnp.float32)
 f = jax.jit(lambda x: jnp.cumsum(x, axis=0)[-1].sum())
 faulting = 0
-for call in range(40):
+for call in range({SETTLING_CALLS + MEASURED_CALLS}):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(x).block_until_ready()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    faulting += call >= 10 and faults > 128 * 2**20 // 4096 // 4
+    faulting += call >= {SETTLING_CALLS} and faults > {SCRATCH_BYTES // 4096 // 4}
 print(json.dumps(faulting))
 """
-MEASURED_CALLS = 30
 
 
 def calls_that_fault_their_scratch_in(**env: str) -> int:
