@@ -1,6 +1,7 @@
 """Command line: `jaxengine run`, `jaxengine generate` and `jaxengine convert`."""
 
 import argparse
+import logging
 import shutil
 import sys
 import time
@@ -48,6 +49,17 @@ def _convert(args: argparse.Namespace) -> None:
     print(f"converted {src} -> {out} ({args.dtype}) in {time.perf_counter() - start:.1f}s")
 
 
+def _show_engine_log() -> None:
+    """Start-up facts (such as the prefix cache's retention) as `jaxengine: ...` lines on stderr."""
+    logger = logging.getLogger("jaxengine")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("jaxengine: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `jaxengine` command."""
     parser = argparse.ArgumentParser(prog="jaxengine", description=__doc__)
@@ -73,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     conv.set_defaults(func=_convert)
 
     args = parser.parse_args(argv)
+    _show_engine_log()
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as err:

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from jaxengine.engine.engine_config import EngineConfig
+from jaxengine.engine.engine_config import EngineConfig, check_engine_keys
 from jaxengine.engine.sampling_params import SamplingParams
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
@@ -121,6 +121,10 @@ def load_run_config(path: str | Path) -> RunConfig:
     input_path = Path(raw["input"])
     if not input_path.is_file():
         raise ConfigError(f"{path}: input: file {input_path} does not exist")
+    try:
+        check_engine_keys(raw.get("engine") or {}, "key")
+    except ValueError as err:
+        raise ConfigError(f"{path}: engine: {err}") from err
     engine = _typed(EngineConfig, raw.get("engine"), f"{path}: engine")
     try:
         engine.validate()

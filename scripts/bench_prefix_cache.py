@@ -1,14 +1,16 @@
 """Prefix caching on vs off, side by side, on a hybrid and a plain-transformer model.
 
     python scripts/bench_prefix_cache.py [--json bench_prefix_cache.json] [--questions 64]
-        [--workloads system-prompt,short-prefix,conversations]
+        [--workloads system-prompt,short-prefix,conversations] [--cache-mib 8 24]
 
 Workloads (token-id prompts, greedy, the same for every configuration):
   system-prompt   a 2048-token shared system prompt followed by distinct 32-token questions,
                   all submitted at once; reports mean/p50 TTFT, output tokens/s, hit rate;
   conversations   8 conversations x 6 turns, interleaved, each turn's prompt the previous
-                  prompt + answer + a new message, under a snapshot budget that cannot keep
-                  everything; reports hit rate and snapshot bytes held per retention mode;
+                  prompt + answer + a new message, one request at a time, both models with
+                  the same cache pool bytes (`--cache-mib`, KV pages and checkpoints
+                  together); reports hit rate and the bytes pages and checkpoints hold, per
+                  retention interval (dense is the default);
   short-prefix    a 200-token shared prefix (shorter than any large block): must hit.
 The hybrid model is the embedded default (Bamba); the plain transformer is a Llama of the
 same width and depth with random weights (speed and hit rates do not depend on the weights).
@@ -70,9 +72,12 @@ def _system_prompt(model: Path, caching: bool, questions: int) -> dict:
     }
 
 
-def _conversations(model: Path, retention: str, snapshots: int) -> dict:
-    llm = LLM(model, ssm_retention=retention, num_ssm_snapshot_slots=snapshots, compilation_cache_dir=None,
-              **{**ENGINE, "warm_up": False})  # one request at a time: only a few shapes are used
+RETENTIONS = {"dense": None, "sparse": 0, "every=128": 128}
+
+
+def _conversations(model: Path, retention: int | None, cache_bytes: int) -> dict:
+    llm = LLM(model, prefix_cache_retention_interval=retention, kv_cache_memory_bytes=cache_bytes,
+              compilation_cache_dir=None, **{**ENGINE, "warm_up": False})  # one request at a time: few shapes
     vocab = llm.engine.model_config.vocab_size
     system = _tokens(300, 99, vocab)
     convs = [system + _tokens(120, 1000 + c, vocab) for c in range(8)]
@@ -81,20 +86,10 @@ def _conversations(model: Path, retention: str, snapshots: int) -> dict:
             out = llm.generate([convs[c]], GREEDY, use_tqdm=False)[0]
             convs[c] = convs[c] + out.token_ids + _tokens(40, 10_000 + 8 * turn + c, vocab)
     stats = llm.stats()
-    states = llm.engine.scheduler.states
-    slot_bytes = 0
-    if states is not None:
-        m = llm.engine.model_config.mamba
-        slot_bytes = llm.engine.model_config.num_mamba_layers * (
-            4 * m.num_heads * m.head_dim * m.state_size + 4 * m.conv_dim * m.conv_kernel
-        )
-    return {
-        "hit_rate": stats["hit_rate"],
-        "snapshots_held": stats["ssm_snapshots_held"],
-        "snapshot_bytes_held": stats["ssm_snapshots_held"] * slot_bytes,
-        "snapshot_evictions": stats["ssm_snapshot_evictions"],
-        "kv_page_evictions": stats["kv_page_evictions"],
-    }
+    keys = ("hit_rate", "tokens_lost_for_want_of_checkpoint", "kv_page_bytes_held", "checkpoint_bytes_held",
+            "checkpoints_held", "kv_page_evictions", "checkpoint_evictions", "checkpoints_written",
+            "checkpoints_skipped", "cache_blocks", "cache_block_bytes")
+    return {k: stats[k] for k in keys}
 
 
 def _short_prefix(model: Path) -> list[int]:
@@ -108,7 +103,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="bench_prefix_cache.json")
     parser.add_argument("--questions", type=int, default=64)
-    parser.add_argument("--snapshots", type=int, default=10, help="snapshot slots in the conversations workload")
+    parser.add_argument("--cache-mib", type=float, nargs="+", default=[8, 24],
+                        help="cache pool sizes for the conversations workload")
     parser.add_argument("--workloads", default="system-prompt,short-prefix,conversations")
     args = parser.parse_args()
     workloads = set(args.workloads.split(","))
@@ -137,14 +133,16 @@ def main() -> None:
             if "short-prefix" in workloads:
                 results[f"short_prefix/{name}"] = _short_prefix(path)
                 print(f"{name}: 200-token shared prefix, cached tokens per request: {results[f'short_prefix/{name}']}")
-        for retention in ("sparse", "dense", "every=128") if "conversations" in workloads else ():
-            for name, path in models.items():
-                if retention != "sparse" and "Llama" in name:
-                    continue  # retention only concerns SSM checkpoints
-                row = _conversations(path, retention, args.snapshots)
-                results[f"conversations/{retention}/{name}"] = row
-                print(f"conversations {retention:<10} {name:<20} hit rate {row['hit_rate']:.3f}  "
-                      f"snapshots {row['snapshots_held']} ({row['snapshot_bytes_held'] / 2**20:.1f} MiB)")
+        for mib in args.cache_mib if "conversations" in workloads else ():
+            for retention, interval in RETENTIONS.items():
+                for name, path in models.items():
+                    if retention != "dense" and "Llama" in name:
+                        continue  # retention only concerns recurrent-state checkpoints
+                    row = _conversations(path, interval, int(mib * 2**20))
+                    results[f"conversations/{mib:g}MiB/{retention}/{name}"] = row
+                    print(f"conversations {mib:g} MiB {retention:<10} {name:<20} hit rate {row['hit_rate']:.3f}  "
+                          f"pages {row['kv_page_bytes_held'] / 2**20:.1f} MiB, checkpoints "
+                          f"{row['checkpoint_bytes_held'] / 2**20:.1f} MiB ({row['checkpoints_held']})", flush=True)
     Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
 

@@ -31,6 +31,10 @@ records the load averages at the start and the end of the run, and whether the C
 settings were on (``JAXENGINE_MALLOC_TUNING=1``, see ``jaxengine/host_memory.py``; they also
 apply to transformers, which runs in the same process).
 
+``--retention`` and ``--no-prefix-caching`` set jaxengine's prefix cache (default: on, dense
+checkpoints, as a user gets it): fresh prompts never hit, so they measure what storing
+checkpoints costs a step.
+
 Usage (from the repository root; ``PYTHONPATH=.`` is not needed after ``pip install -e .``):
   PYTHONPATH=. python scripts/bench_throughput.py --batch-sizes 1 16 --prompt-len 128 --max-tokens 64 \\
       --repeats 3 --json bench_throughput.json
@@ -89,6 +93,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per framework and batch size (median kept)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads for both")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="jaxengine's token budget per step")
+    parser.add_argument("--retention", default="auto",
+                        help="jaxengine's prefix_cache_retention_interval: auto (the default: dense for this "
+                             "hybrid), dense, sparse or a number of tokens")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="run jaxengine with prefix caching off")
     parser.add_argument("--json", type=Path, default=Path("bench_throughput.json"))
     return parser.parse_args()
 
@@ -336,6 +344,8 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         page_size=16,
         warm_up=True,
+        enable_prefix_caching=not args.no_prefix_caching,
+        prefix_cache_retention_interval=RETENTIONS.get(args.retention, args.retention),
     )
     print(f"jaxengine compiled {len(llm.engine.shapes())} step shapes in {llm.engine.compile_seconds:.1f} s")
 
@@ -362,17 +372,25 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             "max_model_len": max_len,
             "page_size": 16,
             "dtype": "float32",
+            "prefix_caching": not args.no_prefix_caching,
+            "prefix_cache_retention_interval": llm.stats()["prefix_cache_retention_interval"],
         },
         "memory_bandwidth_bytes_per_s": bandwidth,
         "decode_floor_s": floor_s,
         "jaxengine_compile_s": llm.engine.compile_seconds,
+        "jaxengine_cache_stats": llm.stats(),
         "jaxengine_step_shapes": len(llm.engine.shapes()),
         "results": results,
     }
 
 
+RETENTIONS = {"dense": None, "sparse": 0}
+
+
 def main() -> None:
     args = parse_args()
+    if args.retention not in ("auto", *RETENTIONS):
+        args.retention = int(args.retention)
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
     limit_threads(args.threads)

@@ -1,14 +1,24 @@
 """Synthetic request traces for the prefix-cache replay, in the format of `TRACES.md`.
 
     python scripts/make_prefix_trace.py conversations OUT.jsonl [--conversations 8] [--turns 6] \
-        [--system-tokens 500] [--message-tokens 100 300] [--output-tokens 50 150] \
-        [--order round-robin|random] [--seed 0] [--vocab-size 4096]
+        [--system-tokens 500] [--first-message-tokens MIN MAX] [--message-tokens 100 300] \
+        [--output-tokens 50 150] [--order round-robin|random] [--max-active K] [--seed 0] \
+        [--vocab-size 4096]
     python scripts/make_prefix_trace.py system-prompt OUT.jsonl [--system-tokens 200] \
         [--questions 16] [--message-tokens 10 40] [--output-tokens 20 60] [--seed 0]
+    python scripts/make_prefix_trace.py few-shot OUT.jsonl [--instruction-tokens 256] [--families 4] \
+        [--tasks-per-family 4] [--family-tokens 256] [--task-tokens 256] [--requests 200] \
+        [--message-tokens 20 60] [--output-tokens 20 60] [--seed 0]
 
-`conversations`: C multi-turn conversations sharing one system prompt, interleaved; each
-turn's input is the previous turn's input and output followed by a new user message.
+`conversations`: C multi-turn conversations sharing one system prompt (none with
+`--system-tokens 0`), interleaved; each turn's input is the previous turn's input and output
+followed by a new user message (the first turn's from `--first-message-tokens`, by default
+`--message-tokens`).
 `system-prompt`: one shared system prompt followed by N distinct questions.
+`few-shot`: a branching tree of few-shot prompts: one instruction shared by all, a block of
+examples shared by the tasks of a family, a block of examples of each task, then a new
+question; each request picks a task at random. Prefixes diverge inside earlier prompts
+(at the family and task boundaries), not at their ends.
 Token ids are drawn uniformly from [1, vocab size); message and output lengths uniformly
 from the inclusive ranges given.
 """
@@ -56,14 +66,16 @@ class TokenSource:
 
 
 def conversations(src: TokenSource, *, num_conversations: int, num_turns: int, system_tokens: int,
-                  message_tokens: tuple[int, int], output_tokens: tuple[int, int], order: str) -> list[Request]:
+                  first_message_tokens: tuple[int, int], message_tokens: tuple[int, int],
+                  output_tokens: tuple[int, int], order: str, max_active: int | None = None) -> list[Request]:
     """Interleaved conversations over one shared system prompt, turns in order within each."""
     system = src.tokens(system_tokens)
     history = [list(system) for _ in range(num_conversations)]
     next_turn = [0] * num_conversations
     requests = []
-    for session in _turn_order(src.rng, num_conversations, num_turns, order):
-        prompt = history[session] + src.run(message_tokens)
+    for session in _turn_order(src.rng, num_conversations, num_turns, order, max_active):
+        message = src.run(first_message_tokens if next_turn[session] == 0 else message_tokens)
+        prompt = history[session] + message
         output = src.run(output_tokens)
         requests.append(Request(session, next_turn[session], prompt, output))
         history[session] = prompt + output
@@ -71,16 +83,28 @@ def conversations(src: TokenSource, *, num_conversations: int, num_turns: int, s
     return requests
 
 
-def _turn_order(rng: random.Random, num_conversations: int, num_turns: int, order: str) -> list[int]:
-    """The session of each request in arrival order."""
-    if order == "round-robin":
-        return [c for _ in range(num_turns) for c in range(num_conversations)]
+def _turn_order(rng: random.Random, num_conversations: int, num_turns: int, order: str,
+                max_active: int | None) -> list[int]:
+    """The session of each request in arrival order. At most `max_active` conversations are
+    open at once (all by default); when one ends, the next one opens in its place."""
+    waiting = list(range(num_conversations))
+    active: list[int] = []
     remaining = [num_turns] * num_conversations
     sessions = []
-    while any(remaining):
-        session = rng.choice([c for c, left in enumerate(remaining) if left])
-        remaining[session] -= 1
-        sessions.append(session)
+    while waiting or active:
+        while waiting and len(active) < (max_active or num_conversations):
+            active.append(waiting.pop(0))
+        if order == "round-robin":
+            turn = [active.pop(0) for _ in range(len(active))]
+        else:
+            turn = [active.pop(rng.randrange(len(active)))]
+        for session in turn:
+            sessions.append(session)
+            remaining[session] -= 1
+            if remaining[session]:
+                active.append(session)
+            elif waiting and len(active) < (max_active or num_conversations):
+                active.append(waiting.pop(0))
     return sessions
 
 
@@ -89,6 +113,30 @@ def system_prompt(src: TokenSource, *, system_tokens: int, num_questions: int, m
     """One shared system prompt, each question a session of its own."""
     system = src.tokens(system_tokens)
     return [Request(q, 0, system + src.run(message_tokens), src.run(output_tokens)) for q in range(num_questions)]
+
+
+def few_shot(src: TokenSource, *, instruction_tokens: int, num_families: int, tasks_per_family: int,
+             family_tokens: int, task_tokens: int, num_requests: int, message_tokens: tuple[int, int],
+             output_tokens: tuple[int, int]) -> list[Request]:
+    """Requests over a tree of few-shot prompts: instruction, family examples, task examples."""
+    instruction = src.tokens(instruction_tokens)
+    families = [instruction + src.tokens(family_tokens) for _ in range(num_families)]
+    tasks = [family + src.tokens(task_tokens) for family in families for _ in range(tasks_per_family)]
+    requests = []
+    for i in range(num_requests):
+        task = src.rng.randrange(len(tasks))
+        requests.append(Request(task, i, tasks[task] + src.run(message_tokens), src.run(output_tokens)))
+    return requests
+
+
+def mean_turn_gap(requests: list[Request]) -> float | None:
+    """Mean number of other requests between two consecutive turns of one session."""
+    last, gaps = {}, []
+    for i, r in enumerate(requests):
+        if r.session_id in last and r.turn_id > 0:
+            gaps.append(i - last[r.session_id] - 1)
+        last[r.session_id] = i
+    return sum(gaps) / len(gaps) if gaps else None
 
 
 def write_trace(requests: list[Request], path: Path) -> None:
@@ -105,15 +153,27 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--conversations", type=int, default=8)
     conv.add_argument("--turns", type=int, default=6)
     conv.add_argument("--system-tokens", type=int, default=500)
+    conv.add_argument("--first-message-tokens", type=int, nargs=2, metavar=("MIN", "MAX"),
+                      help="the first turn's message (default: --message-tokens)")
     conv.add_argument("--message-tokens", type=int, nargs=2, default=[100, 300], metavar=("MIN", "MAX"))
     conv.add_argument("--output-tokens", type=int, nargs=2, default=[50, 150], metavar=("MIN", "MAX"))
     conv.add_argument("--order", choices=["round-robin", "random"], default="round-robin")
+    conv.add_argument("--max-active", type=int, help="conversations open at once (default: all)")
     sysp = kinds.add_parser("system-prompt", help="one shared system prompt, distinct questions")
     sysp.add_argument("--system-tokens", type=int, default=200)
     sysp.add_argument("--questions", type=int, default=16)
     sysp.add_argument("--message-tokens", type=int, nargs=2, default=[10, 40], metavar=("MIN", "MAX"))
     sysp.add_argument("--output-tokens", type=int, nargs=2, default=[20, 60], metavar=("MIN", "MAX"))
-    for sub in (conv, sysp):
+    shot = kinds.add_parser("few-shot", help="a branching tree of few-shot prompts")
+    shot.add_argument("--instruction-tokens", type=int, default=256)
+    shot.add_argument("--families", type=int, default=4)
+    shot.add_argument("--tasks-per-family", type=int, default=4)
+    shot.add_argument("--family-tokens", type=int, default=256)
+    shot.add_argument("--task-tokens", type=int, default=256)
+    shot.add_argument("--requests", type=int, default=200)
+    shot.add_argument("--message-tokens", type=int, nargs=2, default=[20, 60], metavar=("MIN", "MAX"))
+    shot.add_argument("--output-tokens", type=int, nargs=2, default=[20, 60], metavar=("MIN", "MAX"))
+    for sub in (conv, sysp, shot):
         sub.add_argument("out", type=Path, help="the JSON Lines file to write")
         sub.add_argument("--seed", type=int, default=0)
         sub.add_argument("--vocab-size", type=int, default=4096)
@@ -124,20 +184,30 @@ def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
     messages, outputs = tuple(args.message_tokens), tuple(args.output_tokens)
-    for name, (low, high) in (("--message-tokens", messages), ("--output-tokens", outputs)):
+    first = tuple(getattr(args, "first_message_tokens", None) or messages)
+    for name, (low, high) in (("--message-tokens", messages), ("--output-tokens", outputs),
+                              ("--first-message-tokens", first)):
         if not 0 <= low <= high:
             parser.error(f"{name} needs 0 <= MIN <= MAX, got {low} {high}")
     src = TokenSource(args.seed, args.vocab_size)
     if args.kind == "conversations":
         requests = conversations(src, num_conversations=args.conversations, num_turns=args.turns,
-                                 system_tokens=args.system_tokens, message_tokens=messages, output_tokens=outputs,
-                                 order=args.order)
+                                 system_tokens=args.system_tokens, first_message_tokens=first,
+                                 message_tokens=messages, output_tokens=outputs, order=args.order,
+                                 max_active=args.max_active)
+    elif args.kind == "few-shot":
+        requests = few_shot(src, instruction_tokens=args.instruction_tokens, num_families=args.families,
+                            tasks_per_family=args.tasks_per_family, family_tokens=args.family_tokens,
+                            task_tokens=args.task_tokens, num_requests=args.requests, message_tokens=messages,
+                            output_tokens=outputs)
     else:
         requests = system_prompt(src, system_tokens=args.system_tokens, num_questions=args.questions,
                                  message_tokens=messages, output_tokens=outputs)
     write_trace(requests, args.out)
     total = sum(len(r.input_tokens) for r in requests)
-    print(f"wrote {len(requests)} requests, {total} input tokens, to {args.out}")
+    gap = mean_turn_gap(requests)
+    between = f"; {gap:.1f} other requests between two turns of a session on average" if gap is not None else ""
+    print(f"wrote {len(requests)} requests, {total} input tokens, to {args.out}{between}")
 
 
 if __name__ == "__main__":

@@ -1,27 +1,26 @@
-"""Replays a request trace through the scheduler's prefix cache alone (no model) and reports
-the token hit rate, the bytes each pool holds at the end and the evictions per pool.
+"""Replays a request trace through the engine's prefix-cache bookkeeping alone (no model) and
+reports the token hit rate, the bytes pages and checkpoints hold at the end, and evictions.
 
     python scripts/replay_prefix_trace.py TRACE.jsonl --model-config path/to/config.json \
-        --budget-bytes 4e9 [--ssm-fraction 0.4] [--state-dtype float32] [--kv-dtype float32] \
-        [--page-size 16] [--retention dense|sparse|every=N] [--alpha 1.0] [--json OUT.json]
-    python scripts/replay_prefix_trace.py TRACE.jsonl --model-config DIR \
-        --kv-budget-bytes 3e9 --ssm-budget-bytes 1e9 [...]
+        --budget-bytes 4e9 [--state-dtype float32] [--kv-dtype float32] [--page-size 16] \
+        [--retention dense|sparse|every=N] [--json OUT.json]
 
 The trace is JSON Lines in the format of `TRACES.md`; `input_tokens` and `output_tokens`
-are required. Requests run one at a time in line order through the real `Scheduler`:
-the prompt is prefilled (its `num_cached_tokens` is the hit), the trace's output tokens are
-appended as if sampled, one decode step each, and the sequence is finished, so the caches
-keep exactly what the engine's finished sequence leaves (its last output token is sampled,
-never computed). Then the KV budget is applied: least recently used cached pages are
-evicted down to it (SSM snapshots never exceed theirs). Token hit rate = hit tokens /
-input tokens, over all requests.
+are required. Requests run one at a time in line order through the real `Scheduler` and
+`PrefixCache`: the prompt is prefilled in one chunk (its `num_cached_tokens` is the hit), the
+trace's output tokens are appended as if sampled, one decode step each, and the sequence is
+finished, so the cache keeps exactly what the engine's finished sequence leaves (its last
+output token is computed only when it completes a page). Then the budget is applied: cache content is
+evicted, in the cache's own order, until it fits. Token hit rate = hit tokens / input tokens.
 
-Budget: `--budget-bytes` is split between the two pools, the SSM snapshot pool getting
-`--ssm-fraction` of it (all of it goes to the one pool a plain transformer or a pure Mamba2
-model has); `--kv-budget-bytes` / `--ssm-budget-bytes` set each pool instead. The running
-request's own pages and its two live SSM slots are allocated outside the budget.
-`--model-config` is a Hugging Face `config.json` or its directory; KV pages and conv
-states are stored in `--kv-dtype`, SSM states in `--state-dtype`.
+Budget: `--budget-bytes` holds all cached content, KV pages and recurrent-state checkpoints
+together, in blocks of one KV page (a checkpoint takes as many blocks as its bytes need; for
+a model without attention layers a block is one checkpoint). How it divides between the two
+follows the trace. The running request's own pages and its two live state slots come on top,
+as running sequences' do in the engine. `--model-config` is a Hugging Face `config.json` or
+its directory; KV pages and conv states are stored in `--kv-dtype`, SSM states in
+`--state-dtype`. `--retention` is the engine's `prefix_cache_retention_interval`: `dense`
+(None, the default for models with recurrent layers), `sparse` (0) or `every=N` (N).
 """
 
 import argparse
@@ -31,19 +30,19 @@ import math
 import time
 from pathlib import Path
 
-from jaxengine.cache.page_cache import PageCache
-from jaxengine.cache.state_cache import Retention, StateCache
-from jaxengine.engine.engine_config import EngineConfig
-from jaxengine.engine.llm_engine import prefix_flops
+from jaxengine.cache import checkpoint_policy
+from jaxengine.cache.block_pool import BlockPool
+from jaxengine.cache.hit_value import ModelCosts
+from jaxengine.cache.live_slots import LiveSlots
+from jaxengine.cache.prefix_cache import PrefixCache
 from jaxengine.engine.sampling_params import SamplingParams
 from jaxengine.engine.scheduler import Scheduler
 from jaxengine.engine.sequence import Sequence, Status
 from jaxengine.models.config import MlpConfig, ModelConfig, load_model_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DEFAULT_SSM_FRACTION = 0.4
-LIVE_SSM_SLOTS = 2  # the running request's read and write slots
-MAX_BATCHED_TOKENS = 1 << 30  # one chunk per prompt, cut only where the scheduler cuts it
+LIVE_SLOTS = 2  # the running request's read and write slots
+MAX_BATCHED_TOKENS = 1 << 30  # one chunk per prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,22 +56,15 @@ class TraceRequest:
 
 
 @dataclasses.dataclass(frozen=True)
-class Pools:
-    """Sizes of the two pools: the budgeted cache part and the running request's part."""
+class Sizes:
+    """Block size and how many blocks the budget and the running request get."""
 
     kv_page_bytes: int  # 0: the model has no attention layers
-    checkpoint_bytes: int  # 0: the model has no Mamba layers
-    kv_budget_bytes: int
-    ssm_budget_bytes: int
-    live_pages: int
-
-    @property
-    def budget_pages(self) -> int:
-        return self.kv_budget_bytes // self.kv_page_bytes if self.kv_page_bytes else 0
-
-    @property
-    def budget_snapshots(self) -> int:
-        return self.ssm_budget_bytes // self.checkpoint_bytes if self.checkpoint_bytes else 0
+    checkpoint_bytes: int  # 0: the model has no recurrent layers
+    block_bytes: int
+    checkpoint_blocks: int
+    budget_blocks: int
+    live_blocks: int
 
 
 # ---------------------------------------------------------------------- inputs
@@ -117,6 +109,23 @@ def read_model_config(path: Path) -> ModelConfig:
     return load_model_config(path.parent if path.name == "config.json" else path)
 
 
+def parse_retention(text: str, page_size: int) -> int | None:
+    """`dense` / `sparse` / `every=N` as the engine's retention interval."""
+    if text == "dense":
+        return checkpoint_policy.DENSE
+    if text == "sparse":
+        return checkpoint_policy.SPARSE
+    if text.startswith("every="):
+        try:
+            interval = int(text.split("=", 1)[1])
+        except ValueError:
+            interval = -1
+        if interval > 0:
+            checkpoint_policy.validate_interval(interval, page_size)
+            return interval
+    raise ValueError(f"--retention must be dense, sparse or every=N (N a positive multiple of the page size), got {text!r}")
+
+
 # ---------------------------------------------------------------------- sizes
 
 
@@ -127,7 +136,7 @@ def kv_page_bytes(cfg: ModelConfig, page_size: int, kv_bytes: int) -> int:
 
 
 def checkpoint_bytes(cfg: ModelConfig, state_bytes: int, conv_bytes: int) -> int:
-    """Bytes of one SSM checkpoint over all Mamba layers (SSM state + conv state); 0 without them."""
+    """Bytes of one recurrent-state checkpoint over all Mamba layers (SSM + conv state); 0 without them."""
     m = cfg.mamba
     if m is None:
         return 0
@@ -135,19 +144,8 @@ def checkpoint_bytes(cfg: ModelConfig, state_bytes: int, conv_bytes: int) -> int
     return cfg.num_mamba_layers * per_layer
 
 
-def split_budget(cfg: ModelConfig, total: int, ssm_fraction: float) -> tuple[int, int, str]:
-    """(KV bytes, SSM snapshot bytes, how) for a total budget."""
-    if not cfg.num_mamba_layers:
-        return total, 0, "all to KV pages (no Mamba layers)"
-    if not cfg.num_attention_layers:
-        return 0, total, "all to SSM snapshots (no attention layers)"
-    ssm = int(total * ssm_fraction)
-    return total - ssm, ssm, f"SSM snapshots get {ssm_fraction:g} of it (--ssm-fraction), KV pages the rest"
-
-
 def num_weights(cfg: ModelConfig) -> int:
-    """The model's weight count from its config (norms, biases and SSM scalars left out): what
-    the engine's checkpoint eviction weighs saved compute with."""
+    """The model's weight count from its config (norms, biases and SSM scalars left out)."""
     h = cfg.hidden_size
     total = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
     for spec in cfg.layers:
@@ -170,20 +168,39 @@ def _mlp_weights(hidden: int, mlp: MlpConfig) -> int:
     return (3 if mlp.gated else 2) * hidden * mlp.intermediate_size
 
 
+def sizes(cfg: ModelConfig, budget_bytes: int, page_size: int, kv_bytes: int, state_bytes: int,
+          longest_request: int) -> Sizes:
+    page = kv_page_bytes(cfg, page_size, kv_bytes)
+    ckpt = checkpoint_bytes(cfg, state_bytes, kv_bytes)
+    block = page or ckpt
+    return Sizes(
+        kv_page_bytes=page,
+        checkpoint_bytes=ckpt,
+        block_bytes=block,
+        checkpoint_blocks=math.ceil(ckpt / block) if ckpt else 0,
+        budget_blocks=budget_bytes // block,
+        live_blocks=math.ceil(longest_request / page_size) if page else 0,
+    )
+
+
 # ---------------------------------------------------------------------- replay
 
 
-def build_scheduler(cfg: ModelConfig, pools: Pools, page_size: int, retention: Retention, alpha: float) -> Scheduler:
-    """A one-request-at-a-time scheduler over pools of the budgeted sizes plus the live part."""
-    pages = states = None
-    if pools.kv_page_bytes:
-        pages = PageCache(1 + pools.budget_pages + pools.live_pages)
-    if pools.checkpoint_bytes:
-        weights = num_weights(cfg)
-        states = StateCache(LIVE_SSM_SLOTS, pools.budget_snapshots, alpha=alpha,
-                            flops_saved=lambda n: prefix_flops(cfg, weights, n))
-    return Scheduler(max_num_seqs=1, max_num_batched_tokens=MAX_BATCHED_TOKENS, page_size=page_size, pages=pages,
-                     states=states, retention=retention)
+def build_scheduler(cfg: ModelConfig, s: Sizes, page_size: int, retention: int | None) -> Scheduler:
+    """A one-request-at-a-time scheduler over a pool of the budget plus the running request's part."""
+    a = cfg.attention
+    costs = ModelCosts(
+        num_weights=num_weights(cfg),
+        attention_width=cfg.num_attention_layers * a.num_heads * a.head_dim if a else 0,
+        kv_bytes_per_token=s.kv_page_bytes // page_size,
+        checkpoint_bytes=s.checkpoint_blocks * s.block_bytes,
+    )
+    pool = BlockPool(1 + s.budget_blocks + s.live_blocks)
+    cache = PrefixCache(pool, page_size=page_size, has_kv=bool(s.kv_page_bytes), checkpoint_blocks=s.checkpoint_blocks,
+                        value=costs.value_fn())
+    slots = LiveSlots(LIVE_SLOTS) if s.checkpoint_bytes else None
+    return Scheduler(max_num_seqs=1, max_num_batched_tokens=MAX_BATCHED_TOKENS, page_size=page_size, cache=cache,
+                     slots=slots, retention_interval=retention)
 
 
 def replay_request(sched: Scheduler, request: TraceRequest, index: int) -> int:
@@ -195,10 +212,10 @@ def replay_request(sched: Scheduler, request: TraceRequest, index: int) -> int:
     while seq.status is not Status.FINISHED:
         step = sched.schedule()
         if not step.seqs:
-            raise RuntimeError(f"request {index} could not be scheduled (pools too small for it)")
+            raise RuntimeError(f"request {index} could not be scheduled (pool too small for it)")
         sched.update(step)
-        if seq.num_computed < len(seq.tokens):
-            continue
+        if seq.status is not Status.RUNNING or seq.num_computed < len(seq.tokens):
+            continue  # finished, completing its last page, or a prefill that goes on
         token = next(outputs, None)  # "sampled" once everything so far is computed
         if token is not None:
             seq.tokens.append(token)
@@ -207,57 +224,51 @@ def replay_request(sched: Scheduler, request: TraceRequest, index: int) -> int:
     return seq.num_cached_tokens
 
 
-def trim_cached_pages(pages: PageCache, keep: int) -> None:
-    """Evicts least recently used cached pages until at most `keep` remain. Between requests
-    every cached page is unreferenced, so taking all free pages and then `excess` more evicts
-    exactly `excess` of them, oldest first; giving them back leaves them free."""
-    excess = pages.num_cached - keep
-    if excess <= 0:
-        return
-    taken = pages.allocate(pages.num_free - pages.num_cached + excess)
-    pages.release(taken)
-
-
-def replay(requests: list[TraceRequest], sched: Scheduler, pools: Pools) -> list[int]:
+def replay(requests: list[TraceRequest], sched: Scheduler, s: Sizes) -> list[int]:
     """Hit tokens of each request, in order."""
     hits = []
     for index, request in enumerate(requests):
         hits.append(replay_request(sched, request, index))
-        if sched.pages is not None:
-            trim_cached_pages(sched.pages, pools.budget_pages)
+        sched.cache.trim(s.budget_blocks)
     return hits
 
 
 # ---------------------------------------------------------------------- report
 
 
-def summary(requests: list[TraceRequest], hits: list[int], sched: Scheduler, pools: Pools) -> dict:
-    """Hit rate, what each pool holds at the end, evictions, and each request's hit."""
+def summary(requests: list[TraceRequest], hits: list[int], sched: Scheduler, s: Sizes) -> dict:
+    """Hit rate, what pages and checkpoints hold at the end, evictions, and each request's hit."""
+    cache = sched.cache
     num_input = sum(len(r.input_tokens) for r in requests)
-    pages_held = sched.pages.num_cached if sched.pages is not None else 0
-    snapshots_held = len(sched.states.snapshots) if sched.states is not None else 0
+    pages_held = cache.num_page_blocks if s.kv_page_bytes else 0
+    c = cache.counters
     return {
         "requests": len(requests),
         "input_tokens": num_input,
         "hit_tokens": sum(hits),
         "token_hit_rate": sum(hits) / num_input,
+        "lost_tokens": sched.stats.tokens_lost,
+        "budget": {
+            "budget_bytes": s.budget_blocks * s.block_bytes,
+            "block_bytes": s.block_bytes,
+            "budget_blocks": s.budget_blocks,
+            "live_blocks": s.live_blocks,
+            "live_slots": LIVE_SLOTS if s.checkpoint_bytes else 0,
+        },
         "kv": {
-            "page_bytes": pools.kv_page_bytes,
-            "budget_bytes": pools.kv_budget_bytes,
-            "budget_pages": pools.budget_pages,
-            "live_pages": pools.live_pages if pools.kv_page_bytes else 0,
+            "page_bytes": s.kv_page_bytes,
             "pages_held": pages_held,
-            "bytes_held": pages_held * pools.kv_page_bytes,
-            "evictions": sched.pages.evictions if sched.pages is not None else 0,
+            "bytes_held": pages_held * s.block_bytes,
+            "evictions": c.pages_evicted,
         },
         "ssm": {
-            "checkpoint_bytes": pools.checkpoint_bytes,
-            "budget_bytes": pools.ssm_budget_bytes,
-            "budget_snapshots": pools.budget_snapshots,
-            "live_slots": LIVE_SSM_SLOTS if pools.checkpoint_bytes else 0,
-            "snapshots_held": snapshots_held,
-            "bytes_held": snapshots_held * pools.checkpoint_bytes,
-            "evictions": sched.states.evictions if sched.states is not None else 0,
+            "checkpoint_bytes": s.checkpoint_bytes,
+            "checkpoint_blocks": s.checkpoint_blocks,
+            "checkpoints_held": len(cache.checkpoints),
+            "bytes_held": cache.num_checkpoint_blocks * s.block_bytes,
+            "written": c.checkpoints_written,
+            "skipped": c.checkpoints_skipped,
+            "evictions": c.checkpoints_evicted,
         },
         "per_request": [
             {"session_id": r.session_id, "turn_id": r.turn_id, "input_tokens": len(r.input_tokens), "hit_tokens": h}
@@ -268,20 +279,21 @@ def summary(requests: list[TraceRequest], hits: list[int], sched: Scheduler, poo
 
 def format_report(result: dict) -> str:
     """The human-readable lines printed after a replay."""
-    kv, ssm, s = result["kv"], result["ssm"], result["settings"]
+    b, kv, ssm, s = result["budget"], result["kv"], result["ssm"], result["settings"]
     return "\n".join([
         f"trace {s['trace']}: {result['requests']} requests, {result['input_tokens']} input tokens",
         f"model {s['architecture']}: {s['attention_layers']} attention + {s['mamba_layers']} Mamba layers; "
-        f"page {s['page_size']} tokens = {kv['page_bytes']} B, one SSM checkpoint = {ssm['checkpoint_bytes']} B",
-        f"budget {kv['budget_bytes'] + ssm['budget_bytes']:.4g} B: KV pages {kv['budget_bytes']:.4g} B "
-        f"({kv['budget_pages']} pages), SSM snapshots {ssm['budget_bytes']:.4g} B ({ssm['budget_snapshots']} "
-        f"checkpoints); {s['split']}",
-        f"outside the budget: the running request's {kv['live_pages']} pages and {ssm['live_slots']} live SSM slots",
-        f"retention {s['retention']} (scan checkpoint interval {s['checkpoint_interval']}), alpha {s['alpha']:g}",
-        f"token hit rate: {result['token_hit_rate']:.4f} ({result['hit_tokens']} / {result['input_tokens']})",
+        f"page {s['page_size']} tokens = {kv['page_bytes']} B, one checkpoint = {ssm['checkpoint_bytes']} B "
+        f"({ssm['checkpoint_blocks']} blocks of {b['block_bytes']} B)",
+        f"budget {b['budget_bytes']:.4g} B ({b['budget_blocks']} blocks) for KV pages and checkpoints together; "
+        f"outside it: the running request's {b['live_blocks']} blocks and {b['live_slots']} live state slots",
+        f"retention {s['retention']}",
+        f"token hit rate: {result['token_hit_rate']:.4f} ({result['hit_tokens']} / {result['input_tokens']}); "
+        f"lost for want of a checkpoint: {result['lost_tokens']} tokens",
         f"held at the end: KV pages {kv['bytes_held']} B ({kv['pages_held']} pages), "
-        f"SSM snapshots {ssm['bytes_held']} B ({ssm['snapshots_held']} checkpoints)",
-        f"evictions: KV pages {kv['evictions']}, SSM snapshots {ssm['evictions']}",
+        f"checkpoints {ssm['bytes_held']} B ({ssm['checkpoints_held']})",
+        f"evictions: KV pages {kv['evictions']}, checkpoints {ssm['evictions']}; checkpoints written "
+        f"{ssm['written']}, skipped for want of room {ssm['skipped']}",
         f"replayed in {s['seconds']:.2f} s",
     ])
 
@@ -293,65 +305,38 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", type=Path, help="JSON Lines trace (TRACES.md format)")
     parser.add_argument("--model-config", type=Path, required=True, help="a Hugging Face config.json or its directory")
-    parser.add_argument("--budget-bytes", type=float, help="total for both pools, split by --ssm-fraction")
-    parser.add_argument("--ssm-fraction", type=float, default=DEFAULT_SSM_FRACTION,
-                        help="share of --budget-bytes for SSM snapshots in a hybrid model")
-    parser.add_argument("--kv-budget-bytes", type=float, help="KV page budget (instead of --budget-bytes)")
-    parser.add_argument("--ssm-budget-bytes", type=float, help="SSM snapshot budget (instead of --budget-bytes)")
+    parser.add_argument("--budget-bytes", type=float, required=True, help="for KV pages and checkpoints together")
     parser.add_argument("--kv-dtype", choices=list(DTYPE_BYTES), default="float32", help="KV pages and conv states")
     parser.add_argument("--state-dtype", choices=list(DTYPE_BYTES), default="float32", help="SSM states")
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--retention", default="sparse", help="dense, sparse or every=N")
-    parser.add_argument("--alpha", type=float, default=1.0, help="checkpoint eviction weight of saved compute; 0 is LRU")
+    parser.add_argument("--retention", default="dense", help="dense, sparse or every=N")
     parser.add_argument("--json", type=Path, help="also write the results here")
     return parser
-
-
-def _budgets(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: ModelConfig) -> tuple[int, int, str]:
-    """(KV bytes, SSM bytes, how they were chosen), or a usage error."""
-    explicit = args.kv_budget_bytes is not None or args.ssm_budget_bytes is not None
-    if args.budget_bytes is not None:
-        if explicit:
-            parser.error("give --budget-bytes or --kv-budget-bytes/--ssm-budget-bytes, not both")
-        if not 0 <= args.ssm_fraction <= 1:
-            parser.error(f"--ssm-fraction must be in [0, 1], got {args.ssm_fraction}")
-        return split_budget(cfg, int(args.budget_bytes), args.ssm_fraction)
-    if cfg.num_attention_layers and args.kv_budget_bytes is None:
-        parser.error("give --budget-bytes, or --kv-budget-bytes (the model has attention layers)")
-    if cfg.num_mamba_layers and args.ssm_budget_bytes is None:
-        parser.error("give --budget-bytes, or --ssm-budget-bytes (the model has Mamba layers)")
-    return int(args.kv_budget_bytes or 0), int(args.ssm_budget_bytes or 0), "as given per pool"
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.budget_bytes < 0 or args.page_size < 1:
+        parser.error("--budget-bytes must be >= 0 and --page-size >= 1")
     cfg = read_model_config(args.model_config)
-    kv_budget, ssm_budget, split = _budgets(parser, args, cfg)
-    interval = EngineConfig(page_size=args.page_size).resolved_checkpoint_interval(cfg) if cfg.mamba else args.page_size
     try:
-        retention = Retention.parse(args.retention, interval)
+        retention = parse_retention(args.retention, args.page_size)
         requests = load_trace(args.trace)
     except ValueError as e:
         parser.error(str(e))
-    kv_bytes = DTYPE_BYTES[args.kv_dtype]
-    pools = Pools(
-        kv_page_bytes=kv_page_bytes(cfg, args.page_size, kv_bytes),
-        checkpoint_bytes=checkpoint_bytes(cfg, DTYPE_BYTES[args.state_dtype], kv_bytes),
-        kv_budget_bytes=kv_budget,
-        ssm_budget_bytes=ssm_budget,
-        live_pages=max(math.ceil((len(r.input_tokens) + len(r.output_tokens)) / args.page_size) for r in requests),
-    )
-    sched = build_scheduler(cfg, pools, args.page_size, retention, args.alpha)
+    longest = max(len(r.input_tokens) + len(r.output_tokens) for r in requests)
+    s = sizes(cfg, int(args.budget_bytes), args.page_size, DTYPE_BYTES[args.kv_dtype], DTYPE_BYTES[args.state_dtype],
+              longest)
+    sched = build_scheduler(cfg, s, args.page_size, retention)
     start = time.perf_counter()
-    hits = replay(requests, sched, pools)
-    result = summary(requests, hits, sched, pools)
+    hits = replay(requests, sched, s)
+    result = summary(requests, hits, sched, s)
     result["settings"] = {
         "trace": str(args.trace), "model_config": str(args.model_config), "architecture": cfg.architecture,
         "attention_layers": cfg.num_attention_layers, "mamba_layers": cfg.num_mamba_layers,
         "page_size": args.page_size, "kv_dtype": args.kv_dtype, "state_dtype": args.state_dtype,
-        "retention": args.retention, "checkpoint_interval": interval,
-        "alpha": args.alpha, "split": split, "seconds": time.perf_counter() - start,
+        "retention": args.retention, "retention_interval": retention, "seconds": time.perf_counter() - start,
     }
     print(format_report(result))
     if args.json:

@@ -50,7 +50,14 @@ def test_run_writes_outputs_and_metrics(tmp_path, capsys):
     assert metrics["output_tokens"] == sum(len(r["token_ids"]) for r in records)
     for key in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "compile_s", "cache"):
         assert key in metrics
+    assert metrics["cache"]["prefix_cache_retention_interval"] is None  # resolved: dense for the hybrid
     assert "3 requests" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value, want", [(None, None), (0, 0), (32, 32), ("auto", "auto")])
+def test_yaml_takes_the_retention_interval(tmp_path, value, want):
+    cfg = load_run_config(_write(tmp_path, {"engine": {"prefix_cache_retention_interval": value}}, LINES))
+    assert cfg.engine.prefix_cache_retention_interval == want
 
 
 def test_the_default_config_is_valid(monkeypatch):
@@ -65,6 +72,8 @@ def test_the_default_config_is_valid(monkeypatch):
         ({"engin": {}}, r"unknown key 'engin'"),
         ({"engine": {"max_num_seqs": "8"}}, r"engine.max_num_seqs: expected .*int.*got '8'"),
         ({"engine": {"max_num_seq": 8}}, r"engine: unknown key 'max_num_seq'"),
+        ({"engine": {"ssm_retention": "dense"}}, r"engine: key 'ssm_retention' was replaced by prefix_cache_retention_interval"),
+        ({"engine": {"prefix_cache_retention_interval": 6}}, r"prefix_cache_retention_interval must be None"),
         ({"sampling": {"top_p": 1.5}}, r"SamplingParams.top_p must be in \(0, 1\]"),
         ({"sampling": {"temprature": 0.5}}, r"sampling: unknown key 'temprature'"),
         ({"model": "/no/such/model"}, r"model: /no/such/model is not a model directory"),

@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from jaxengine.cache import checkpoint_policy
 from jaxengine.engine.sampler import SamplingBatch
 from jaxengine.engine.sampling_params import MAX_STOP_TOKEN_IDS
 from jaxengine.engine.scheduler import ScheduledStep
@@ -78,21 +79,25 @@ class BatchBuilder:
         max_model_len: int,
         page_size: int,
         eos_token_ids: tuple[int, ...],
-        checkpoint_every: int = 0,
+        blocks_per_checkpoint: int = 0,
+        saves_checkpoints: bool = False,
     ):
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.seq_buckets = seq_buckets(max_num_seqs)
         self.max_model_len = max_model_len
+        self.page_size = page_size
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.eos_token_ids = eos_token_ids
-        self.checkpoint_every = checkpoint_every  # scan checkpoint spacing; 0: none
+        self.blocks_per_checkpoint = blocks_per_checkpoint  # 0: no recurrent layers
+        self.saves_checkpoints = saves_checkpoints  # prefix caching on a model with recurrent layers
 
-    def num_checkpoints(self, shape: Shape) -> int:
-        """Scan checkpoints one step of `shape` can store: each sequence's chunk of n tokens
-        holds fewer than n / every + 1 of them strictly inside."""
-        if shape.decode or not self.checkpoint_every:
+    def num_saves(self, shape: Shape) -> int:
+        """Checkpoints one step of `shape` can store (see `checkpoint_policy.max_per_step`)."""
+        if not self.saves_checkpoints:
             return 0
-        return shape.num_tokens // self.checkpoint_every + shape.num_seqs
+        if shape.decode:
+            return shape.num_seqs
+        return checkpoint_policy.max_per_step(shape.num_tokens, shape.num_seqs, self.page_size)
 
     def shape_of(self, step: ScheduledStep) -> Shape:
         s = _fit(len(step.seqs), self.seq_buckets)
@@ -155,15 +160,19 @@ class BatchBuilder:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 banned[i, : len(stops)] = stops[:MAX_STOP_TOKEN_IDS]
 
-        num_ckpt = self.num_checkpoints(shape)
-        if len(step.checkpoints) > num_ckpt:
-            raise RuntimeError(f"{len(step.checkpoints)} scan checkpoints exceed the step's {num_ckpt}")
-        ckpt_seq = np.zeros(num_ckpt, np.int32)
-        ckpt_pos = np.full(num_ckpt, -1, np.int32)
-        ckpt_slot = np.zeros(num_ckpt, np.int32)
-        for c, (i, pos, slot) in enumerate(step.checkpoints):
-            ckpt_seq[c], ckpt_pos[c], ckpt_slot[c] = i, pos, slot
-        batch = StepBatch(ids, cu, kv_lens, page_table, read, write, ckpt_seq, ckpt_pos, ckpt_slot)
+        nb = self.blocks_per_checkpoint
+        restore = np.zeros((s_size, nb), np.int32)
+        for i, blocks in step.restores:
+            restore[i] = blocks
+        num_saves = self.num_saves(shape)
+        if len(step.saves) > num_saves:
+            raise RuntimeError(f"{len(step.saves)} checkpoint saves exceed the step's {num_saves}")
+        save_seq = np.zeros(num_saves, np.int32)
+        save_pos = np.full(num_saves, -1, np.int32)
+        save_blocks = np.zeros((num_saves, nb), np.int32)
+        for c, save in enumerate(step.saves):
+            save_seq[c], save_pos[c], save_blocks[c] = save.seq_index, save.position, save.blocks
+        batch = StepBatch(ids, cu, kv_lens, page_table, read, write, restore, save_seq, save_pos, save_blocks)
         sampling = SamplingBatch(
             temperature, top_k, top_p, min_p, presence, frequency, repetition, seeds, steps, history, prompt_lens, banned
         )

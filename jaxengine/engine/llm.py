@@ -5,7 +5,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from jaxengine.engine.engine_config import EngineConfig
+from jaxengine.engine.engine_config import EngineConfig, check_engine_keys
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput, StreamOutput
 from jaxengine.engine.sampling_params import SamplingParams
@@ -19,14 +19,12 @@ class LLM:
     """Loads a model directory and serves prompts with continuous batching.
 
     Keyword arguments are the fields of `EngineConfig` (vLLM's names): `max_model_len`,
-    `max_num_seqs`, `max_num_batched_tokens`, `page_size`, `num_kv_pages` or
-    `kv_cache_memory_bytes`, `num_ssm_slots`, `compilation_cache_dir`, `warm_up`, ..."""
+    `max_num_seqs`, `max_num_batched_tokens`, `page_size`, `num_cache_blocks` or
+    `kv_cache_memory_bytes`, `prefix_cache_retention_interval`, `compilation_cache_dir`,
+    `warm_up`, ..."""
 
     def __init__(self, model: str | Path, dtype: str = "float32", **engine_args):
-        known = set(EngineConfig.__dataclass_fields__)
-        unknown = sorted(set(engine_args) - known)
-        if unknown:
-            raise ValueError(f"unknown engine argument {unknown[0]!r}; known: {', '.join(sorted(known))}")
+        check_engine_keys(sorted(engine_args))
         self.engine = LLMEngine(model, EngineConfig(dtype=dtype, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len

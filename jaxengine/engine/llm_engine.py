@@ -1,5 +1,6 @@
 """The engine loop: requests in, one scheduled and sampled step at a time, tokens out."""
 
+import logging
 import time
 import zlib
 from collections.abc import Callable
@@ -8,11 +9,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxengine.cache.page_cache import PageCache
-from jaxengine.cache.state_cache import Retention, StateCache
+from jaxengine.cache import checkpoint_policy
+from jaxengine.cache.block_pool import BlockPool
+from jaxengine.cache.hit_value import ModelCosts
+from jaxengine.cache.live_slots import LiveSlots
+from jaxengine.cache.prefix_cache import PrefixCache
 from jaxengine.engine.batch_builder import BatchBuilder, Shape, step_shapes
 from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.outputs import RequestMetrics, RequestOutput
+from jaxengine.engine.pools import store_layout
 from jaxengine.engine.runner import ModelRunner, enable_compilation_cache
 from jaxengine.engine.sampling_params import SamplingParams
 from jaxengine.engine.scheduler import ScheduledStep, Scheduler
@@ -21,14 +26,7 @@ from jaxengine.engine.tokenizer import load_tokenizer
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import load_model
 
-
-def prefix_flops(cfg: ModelConfig, num_params: int, num_tokens: int) -> float:
-    """Forward FLOPs a prefix of `num_tokens` costs (what a hit on it saves): two per weight
-    per token, plus attention's quadratic score and value products."""
-    attn = 0
-    if cfg.attention is not None:
-        attn = 2 * cfg.num_attention_layers * cfg.attention.num_heads * cfg.attention.head_dim * num_tokens * num_tokens
-    return 2.0 * num_params * num_tokens + attn
+logger = logging.getLogger("jaxengine")
 
 
 class LLMEngine:
@@ -45,37 +43,34 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         cfg = self.model_config
         self.max_model_len = config.resolved_max_model_len(cfg)
-        dtype_bytes = 4 if config.dtype == "float32" else 2
         caching = config.enable_prefix_caching
-        num_params = sum(x.size for x in jax.tree.leaves(params))
-        pages = states = retention = None
-        if cfg.num_attention_layers:
-            pages = PageCache(config.resolved_num_kv_pages(cfg, dtype_bytes), enabled=caching)
-        if cfg.num_mamba_layers:
-            interval = config.resolved_checkpoint_interval(cfg)
-            retention = Retention.parse(config.ssm_retention, interval)
-            states = StateCache(
-                config.resolved_num_ssm_slots(),
-                config.resolved_num_snapshots(cfg),
-                flops_saved=lambda n: prefix_flops(cfg, num_params, n),
-                alpha=config.ssm_eviction_alpha,
-                enabled=caching,
-            )
+        layout = store_layout(cfg, config.page_size, jax.tree.leaves(params)[0].dtype)
+        blocks_per_checkpoint = layout.blocks_per_checkpoint if layout else 0
+        self.retention_interval, why = config.resolved_retention_interval(cfg)
+        num_blocks = config.resolved_num_cache_blocks(cfg, blocks_per_checkpoint if caching else 0)
+        cache = PrefixCache(
+            BlockPool(num_blocks),
+            page_size=config.page_size,
+            has_kv=bool(cfg.num_attention_layers),
+            checkpoint_blocks=blocks_per_checkpoint,
+            value=self._costs(cfg, params, blocks_per_checkpoint).value_fn(),
+            enabled=caching,
+        )
+        slots = LiveSlots(config.resolved_num_ssm_slots()) if cfg.num_mamba_layers else None
         self.runner = ModelRunner(
             cfg, graphdef, params,
-            num_pages=pages.num_pages if pages else 2,
+            num_blocks=num_blocks,
             page_size=config.page_size,
-            num_slots=states.num_slots if states else 2,
+            num_slots=slots.num_slots if slots else 2,
             num_logprobs=config.max_logprobs,
         )
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             page_size=config.page_size,
-            pages=pages,
-            states=states,
-            retention=retention,
-            enable_prefix_caching=caching,
+            cache=cache,
+            slots=slots,
+            retention_interval=self.retention_interval,
         )
         self.builder = BatchBuilder(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -83,12 +78,31 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             page_size=config.page_size,
             eos_token_ids=cfg.eos_token_ids,
-            checkpoint_every=retention.every if retention and caching else 0,
+            blocks_per_checkpoint=blocks_per_checkpoint,
+            saves_checkpoints=caching and blocks_per_checkpoint > 0,
         )
+        if caching and cfg.num_mamba_layers:
+            logger.info(
+                "prefix cache: retention %s (prefix_cache_retention_interval=%r, %s); one checkpoint = %d blocks "
+                "of %d bytes in a pool of %d blocks",
+                checkpoint_policy.describe_interval(self.retention_interval), self.retention_interval, why,
+                blocks_per_checkpoint, config.block_bytes(cfg), num_blocks,
+            )
         self.compile_seconds = 0.0
-        self.peak_pages_in_use = 0
+        self.peak_blocks_in_use = 0
         self.peak_slots_in_use = 0
         self._next_id = 0
+
+    def _costs(self, cfg: ModelConfig, params, blocks_per_checkpoint: int) -> ModelCosts:
+        """What the prefix cache weighs hits by (`hit_value.py`)."""
+        a = cfg.attention
+        block_bytes = self.config.block_bytes(cfg)
+        return ModelCosts(
+            num_weights=sum(x.size for x in jax.tree.leaves(params)),
+            attention_width=cfg.num_attention_layers * a.num_heads * a.head_dim if a else 0,
+            kv_bytes_per_token=block_bytes // self.config.page_size if cfg.num_attention_layers else 0,
+            checkpoint_bytes=blocks_per_checkpoint * block_bytes,
+        )
 
     # ------------------------------------------------------------------ set-up
 
@@ -134,8 +148,8 @@ class LLMEngine:
                 f"{where}: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"max_model_len={self.max_model_len}"
             )
-        pages = self.scheduler.pages
-        if pages is not None and -(-total // self.config.page_size) > pages.num_usable:
+        cache = self.scheduler.cache
+        if cache.has_kv and -(-total // self.config.page_size) > cache.pool.num_usable:
             raise ValueError(f"{where}: needs {total} tokens of KV cache, more than the whole pool holds")
         return ids
 
@@ -173,8 +187,8 @@ class LLMEngine:
         self.scheduler.update(scheduled)
         updated = []
         for i, seq in enumerate(scheduled.seqs):
-            if seq.num_computed < len(seq.tokens):
-                continue  # a prefill chunk that does not reach the end yet
+            if seq.num_computed < len(seq.tokens) or seq.finish_reason is not None:
+                continue  # a prefill chunk that does not reach the end yet, or a completion step
             token = int(tokens[i])
             seq.tokens.append(token)
             if seq.first_token_time is None:
@@ -191,31 +205,38 @@ class LLMEngine:
         return updated
 
     def _note_pool_use(self) -> None:
-        if self.scheduler.pages is not None:
-            self.peak_pages_in_use = max(self.peak_pages_in_use, self.scheduler.pages.num_in_use)
-        if self.scheduler.states is not None:
-            self.peak_slots_in_use = max(self.peak_slots_in_use, len(self.scheduler.states.live))
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.scheduler.cache.pool.num_referenced)
+        if self.scheduler.slots is not None:
+            self.peak_slots_in_use = max(self.peak_slots_in_use, len(self.scheduler.slots.in_use))
 
     def stats(self) -> dict:
         """Prefix-cache and pool counters since start."""
         sched = self.scheduler
-        pages, states = sched.pages, sched.states
+        cache, slots = sched.cache, sched.slots
         asked = sched.stats.tokens_asked
+        block_bytes = self.config.block_bytes(self.model_config)
+        c = cache.counters
         return {
             "prefix_caching": self.config.enable_prefix_caching,
+            "prefix_cache_retention_interval": self.retention_interval,
             "tokens_asked": asked,
             "tokens_hit": sched.stats.tokens_hit,
             "hit_rate": sched.stats.tokens_hit / asked if asked else 0.0,
-            "kv_pages_in_use": pages.num_in_use if pages else 0,
-            "kv_pages_cached": pages.num_cached if pages else 0,
-            "kv_pages_usable": pages.num_usable if pages else 0,
-            "kv_page_evictions": pages.evictions if pages else 0,
-            "ssm_live_slots_in_use": len(states.live) if states else 0,
-            "ssm_snapshots_held": len(states.snapshots) if states else 0,
-            "ssm_snapshot_slots": states.num_snapshots if states else 0,
-            "ssm_snapshot_evictions": states.evictions if states else 0,
+            "tokens_lost_for_want_of_checkpoint": sched.stats.tokens_lost,
+            "cache_blocks": cache.pool.num_usable,
+            "cache_block_bytes": block_bytes,
+            "blocks_in_use": cache.pool.num_referenced,
+            "kv_pages_cached": cache.num_page_blocks if cache.has_kv else 0,
+            "kv_page_bytes_held": (cache.num_page_blocks if cache.has_kv else 0) * block_bytes,
+            "checkpoints_held": len(cache.checkpoints),
+            "checkpoint_bytes_held": cache.num_checkpoint_blocks * block_bytes,
+            "kv_page_evictions": c.pages_evicted,
+            "checkpoint_evictions": c.checkpoints_evicted,
+            "checkpoints_written": c.checkpoints_written,
+            "checkpoints_skipped": c.checkpoints_skipped,
+            "ssm_live_slots_in_use": len(slots.in_use) if slots else 0,
             "preemptions": sched.num_preemptions,
-            "peak_kv_pages_in_use": self.peak_pages_in_use,
+            "peak_blocks_in_use": self.peak_blocks_in_use,
             "peak_ssm_live_slots_in_use": self.peak_slots_in_use,
         }
 
@@ -266,8 +287,8 @@ class LLMEngine:
             raise RuntimeError("prompt_logits cannot run while requests are in flight")
         seq = Sequence("prompt_logits", 0, list(token_ids), len(token_ids), SamplingParams(), 0)
         sched = self.scheduler
-        if sched.states is not None:
-            seq.owned_slots = sched.states.alloc_live(2)
+        if sched.slots is not None:
+            seq.owned_slots = sched.slots.alloc(2)
             seq.read_slot = seq.owned_slots[0]
         rows = []
         try:

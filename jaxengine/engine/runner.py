@@ -58,7 +58,7 @@ class ModelRunner:
         graphdef: nnx.GraphDef,
         params: nnx.State,
         *,
-        num_pages: int,
+        num_blocks: int,
         page_size: int,
         num_slots: int,
         num_logprobs: int = 20,
@@ -82,7 +82,7 @@ class ModelRunner:
             functools.partial(_sample_step, **bound), static_argnames=("decode", "num_logprobs"), donate_argnames=("pools",)
         )
         self.pools = allocate_pools(
-            cfg, num_pages=num_pages, page_size=page_size, num_slots=num_slots, dtype=dtype, mesh=self.mesh
+            cfg, num_blocks=num_blocks, page_size=page_size, num_slots=num_slots, dtype=dtype, mesh=self.mesh
         )
 
     def logits(self, batch: StepBatch, *, decode: bool = False, all_logits: bool = False) -> jax.Array:

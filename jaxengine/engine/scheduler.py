@@ -2,47 +2,57 @@
 prefix-cache bookkeeping around each step.
 
 Running sequences go first, decodes before prefill chunks, then waiting sequences are
-admitted while the token budget, the sequence cap, pages and slots allow. A long prompt is
-split over several steps (chunked prefill). When a running sequence needs a page and none
-can be had, the newest not-yet-scheduled running sequence is preempted: its pages and slots
-are released and it goes back to the front of the queue, to be recomputed later.
+admitted while the token budget, the sequence cap, blocks and state slots allow. A long
+prompt is split over several steps (chunked prefill). When a running sequence needs a page
+and none can be had even by evicting cache content, the newest not-yet-scheduled running
+sequence is preempted: its blocks and slots are released and it goes back to the front of
+the queue, to be recomputed later.
 
 Prefix caching (host side only; the device just follows the index arrays):
-  * on admission a sequence takes the longest cached prefix whose pages are all cached and,
-    if the model has Mamba layers, for which a checkpoint exists at exactly that length: its
-    page table starts with those pages and its first step reads that checkpoint;
+  * on admission a sequence takes the longest hit (`PrefixCache.match`): its page table
+    starts with the hit's pages and its first step reads the hit's checkpoint (`restores`);
   * full pages are registered under their chained block hash once computed;
-  * whenever a step ends on a page boundary, the slot it wrote holds the exact state there,
-    and becomes a checkpoint for free (the sequence takes a fresh slot). Prefill chunks are
-    cut to end at the prompt's last page boundary and at junctions (a cached-page boundary
-    past the last checkpoint on the path), so the next request with that prefix hits;
-  * with `dense` or `every=N` retention, the scan's states at those multiples inside a
-    prefill chunk are scattered into snapshot slots reserved here.
+  * each step stores the checkpoints `checkpoint_policy.plan` asks for, where the cache has
+    room for them at their priority (`saves`); they become readable once the step has run.
 """
 
 import collections
 import dataclasses
 import math
 
+from jaxengine.cache import checkpoint_policy
 from jaxengine.cache.block_hash import extend_hashes, root_hash
-from jaxengine.cache.page_cache import PageCache
-from jaxengine.cache.state_cache import Retention, StateCache
+from jaxengine.cache.checkpoint_policy import Kind
+from jaxengine.cache.live_slots import LiveSlots
+from jaxengine.cache.prefix_cache import PrefixCache
 from jaxengine.engine.sequence import Sequence, Status
 
 
 @dataclasses.dataclass
+class CheckpointSave:
+    """A checkpoint a step stores: the state of `seqs[seq_index]` after `position` tokens."""
+
+    seq_index: int
+    position: int
+    blocks: list[int]
+    kind: Kind
+
+
+@dataclasses.dataclass
 class ScheduledStep:
-    """One step's work: `num_tokens[i]` new tokens of `seqs[i]`, and the scan checkpoints
-    `(sequence index, absolute position, snapshot slot)` the step must store."""
+    """One step's work: `num_tokens[i]` new tokens of `seqs[i]`; the checkpoints it reads
+    (`restores`: sequence index, blocks) and the ones it stores (`saves`)."""
 
     seqs: list[Sequence]
     num_tokens: list[int]
-    checkpoints: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    restores: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
+    saves: list[CheckpointSave] = dataclasses.field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence advances by exactly one token (the single-token kernels apply)."""
-        return all(n == 1 for n in self.num_tokens)
+        """Every sequence advances by exactly one token from its live state (the single-token
+        kernels apply)."""
+        return all(n == 1 for n in self.num_tokens) and not self.restores
 
     @property
     def total_tokens(self) -> int:
@@ -55,10 +65,11 @@ class CacheStats:
 
     tokens_asked: int = 0  # prompt tokens at each admission
     tokens_hit: int = 0  # of those, served from the cache
+    tokens_lost: int = 0  # of those, in cached pages past the hit, lost for want of a checkpoint
 
 
 class Scheduler:
-    """Owns the waiting queue, the running list, and the page and state caches."""
+    """Owns the waiting queue, the running list, the prefix cache and the live state slots."""
 
     def __init__(
         self,
@@ -66,18 +77,17 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         page_size: int,
-        pages: PageCache | None,
-        states: StateCache | None,
-        retention: Retention | None = None,
-        enable_prefix_caching: bool = True,
+        cache: PrefixCache,
+        slots: LiveSlots | None,
+        retention_interval: int | None = checkpoint_policy.DENSE,
     ):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.page_size = page_size
-        self.pages = pages  # None for models without attention layers
-        self.states = states  # None for models without Mamba layers
-        self.retention = retention or Retention("sparse")
-        self.caching = enable_prefix_caching
+        self.cache = cache
+        self.slots = slots  # None for models without recurrent layers
+        self.retention_interval = retention_interval
+        self.caching = cache.enabled
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -94,12 +104,12 @@ class Scheduler:
 
     def grow_pages(self, seq: Sequence, num_tokens: int) -> bool:
         """Gives `seq` pages for its first `num_tokens` tokens; False if too few can be had."""
-        if self.pages is None:
+        if not self.cache.has_kv:
             return True
         extra = math.ceil(num_tokens / self.page_size) - len(seq.pages)
         if extra <= 0:
             return True
-        got = self.pages.allocate(extra)
+        got = self.cache.allocate(extra)
         if got is None:
             return False
         seq.pages.extend(got)
@@ -107,23 +117,23 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         """Returns a sequence's pages and slots; its cached pages and checkpoints stay."""
-        if self.pages is not None and seq.pages:
-            self.pages.release(seq.pages)
-        if self.states is not None:
-            self._unpin_read(seq)
-            if seq.owned_slots:
-                self.states.free_live(seq.owned_slots)
-        seq.pages, seq.owned_slots, seq.read_slot = [], [], 0
-
-    def _unpin_read(self, seq: Sequence) -> None:
-        if seq.read_slot and seq.read_slot not in seq.owned_slots:
-            self.states.unpin(seq.read_slot)
+        if seq.pages:
+            self.cache.release(seq.pages)
+        if seq.restore is not None:
+            self.cache.unpin(seq.restore)
+        if seq.owned_slots:
+            self.slots.free(seq.owned_slots)
+        seq.pages, seq.owned_slots, seq.read_slot, seq.restore = [], [], 0, None
 
     def _preempt(self, seq: Sequence) -> None:
+        if seq.status is Status.COMPLETING:  # its output is final: drop the extra step
+            self.finish(seq)
+            return
         self.running.remove(seq)
         self.release(seq)
         seq.num_computed = seq.num_registered_pages = 0
         seq.junction = 0
+        seq.hit_checkpoint = seq.prompt_checkpoint = seq.trailing_checkpoint = None
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -134,83 +144,66 @@ class Scheduler:
     def _hashes(self, seq: Sequence) -> list[bytes]:
         return extend_hashes(seq.block_hashes, seq.tokens, self.page_size, root_hash(seq.cache_salt))
 
-    def _match(self, seq: Sequence) -> tuple[list[int], int, int]:
-        """(cached pages to share, hit length, junction) for a sequence about to be admitted."""
-        if not self.caching:
-            return [], 0, 0
-        hashes = self._hashes(seq)[: (len(seq.tokens) - 1) // self.page_size]  # leave a token to compute
-        pages = self.pages.lookup(hashes) if self.pages is not None else []
-        reach = len(pages) if self.pages is not None else len(hashes)
-        if self.states is None:
-            return pages, reach * self.page_size, 0
-        hit = next((j for j in range(reach, 0, -1) if self.states.lookup(hashes[j - 1])), 0)
-        junction = reach * self.page_size if reach > hit else 0
-        return pages[:hit], hit * self.page_size, junction
-
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of `seq` to compute next: up to the budget, ending early at a checkpoint target."""
-        n = min(seq.num_uncomputed, budget)
-        if self.states is not None and self.caching:
-            end = seq.num_computed + n
-            targets = [t for t in (seq.junction, seq.prefill_boundary) if seq.num_computed < t < end]
-            if targets:
-                n = min(targets) - seq.num_computed
-        return n
-
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Takes a waiting sequence into the running set; returns its first chunk's size
         (0, and nothing taken, if its slots or pages cannot be had)."""
-        shared, hit, junction = self._match(seq)
-        slots = []
-        if self.states is not None:
-            slots = self.states.alloc_live(2)
+        hashes = self._hashes(seq)[: (len(seq.tokens) - 1) // self.page_size]  # leave a token to compute
+        match = self.cache.match(hashes)
+        slots = None
+        if self.slots is not None:
+            slots = self.slots.alloc(2)
             if slots is None:
                 return 0
-        if self.pages is not None:
-            self.pages.acquire(shared)
-        seq.pages, seq.num_computed, seq.junction = list(shared), hit, junction
-        seq.num_registered_pages = len(shared)
-        # The last page boundary of what it must prefill (its prompt, or all its tokens when
-        # recomputed after preemption): a chunk ends there so that state becomes a checkpoint.
-        seq.prefill_boundary = (len(seq.tokens) // self.page_size) * self.page_size
-        n = self._chunk(seq, budget)
+        self.cache.acquire(match)
+        hit = match.hit_pages * self.page_size
+        seq.pages = [node.block for node in match.nodes]
+        seq.num_computed = hit
+        n = min(seq.num_uncomputed, budget)
         if not self.grow_pages(seq, hit + n):
-            if self.pages is not None:
-                self.pages.release(seq.pages)
+            self.cache.release(seq.pages)
+            if match.checkpoint is not None:
+                self.cache.unpin(match.checkpoint)
             if slots:
-                self.states.free_live(slots)
-            seq.pages, seq.num_computed, seq.junction = [], 0, 0
+                self.slots.free(slots)
+            seq.pages, seq.num_computed = [], 0
             return 0
-        if self.states is not None:
-            seq.owned_slots = slots
-            seq.read_slot = slots[0]
-            if hit:
-                seq.hit_checkpoint = self._hashes(seq)[hit // self.page_size - 1]
-                seq.read_slot = self.states.slot_of_hash[seq.hit_checkpoint]
-                self.states.pin(seq.read_slot)
+        seq.heat, continues = self.cache.record_hit(match)
+        seq.num_registered_pages = match.hit_pages
+        seq.junction = match.reach_pages * self.page_size if self.cache.recurrent and match.reach_pages > match.hit_pages else 0
+        # The last page boundary of what it must prefill (its prompt, or all its tokens when
+        # recomputed after preemption): the state there is an edge checkpoint.
+        seq.prefill_boundary = (len(seq.tokens) // self.page_size) * self.page_size
+        if slots is not None:
+            seq.owned_slots, seq.read_slot = slots, slots[0]
+        if match.checkpoint is not None:
+            seq.restore = match.checkpoint
+            if continues:  # superseded once this sequence checkpoints past it
+                seq.hit_checkpoint = match.checkpoint.node.block_hash
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = hit
         self.stats.tokens_asked += len(seq.tokens)
         self.stats.tokens_hit += hit
+        if self.cache.has_kv:
+            self.stats.tokens_lost += (match.reach_pages - match.hit_pages) * self.page_size
         return n
 
     # ------------------------------------------------------------------ scheduling
 
     def schedule(self) -> ScheduledStep:
-        """Picks the next step's sequences and token counts and reserves their pages."""
+        """Picks the next step's sequences and token counts and reserves their blocks."""
         budget = self.max_num_batched_tokens
         step = ScheduledStep([], [])
         # Running sequences: decodes first, then unfinished prefills, oldest first in each.
         pending = sorted(self.running, key=lambda s: s.num_uncomputed > 1)
         while pending and budget > 0:
             seq = pending.pop(0)
-            n = self._chunk(seq, budget)
+            n = min(seq.num_uncomputed, budget)
             while not self.grow_pages(seq, seq.num_computed + n):
                 victim = pending.pop() if pending else seq
                 self._preempt(victim)
                 if victim is seq:
                     break
-            if seq.status is not Status.RUNNING:
+            if seq.status not in (Status.RUNNING, Status.COMPLETING):
                 continue
             step.seqs.append(seq)
             step.num_tokens.append(n)
@@ -227,84 +220,108 @@ class Scheduler:
             step.seqs.append(seq)
             step.num_tokens.append(n)
             budget -= n
-        step.checkpoints = self._reserve_scan_checkpoints(step)
+        step.restores = [(i, seq.restore.blocks) for i, seq in enumerate(step.seqs) if seq.restore is not None]
+        step.saves = self._plan_saves(step)
         return step
 
-    def _reserve_scan_checkpoints(self, step: ScheduledStep) -> list[tuple[int, int, int]]:
-        if self.states is None or not self.caching or step.is_decode:
+    def _plan_saves(self, step: ScheduledStep) -> list[CheckpointSave]:
+        """The checkpoints this step stores, where the cache has room for them: edges first,
+        then candidates deepest first (a step's candidates may not all fit)."""
+        if not self.cache.recurrent or not self.caching:
             return []
-        out = []
+        wanted = []
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
             hashes = self._hashes(seq)
-            for pos in self.retention.scan_positions(seq.num_computed, seq.num_computed + n):
-                slot = self.states.reserve(hashes[pos // self.page_size - 1], pos)
-                if slot is not None:
-                    out.append((i, pos, slot))
-        return out
+            for pos, kind in checkpoint_policy.plan(
+                seq.num_computed, seq.num_computed + n, page_size=self.page_size, interval=self.retention_interval,
+                prefill_boundary=seq.prefill_boundary, junction=seq.junction,
+            ):
+                if hashes[pos // self.page_size - 1] not in self.cache.checkpoints:
+                    wanted.append((kind is Kind.CANDIDATE, -pos, i, kind))
+        saves = []
+        for _, neg_pos, i, kind in sorted(wanted, key=lambda w: w[:3]):
+            blocks = self.cache.reserve_checkpoint(-neg_pos, kind.origin, self._hits(step.seqs[i], kind))
+            if blocks is not None:
+                saves.append(CheckpointSave(i, -neg_pos, blocks, kind))
+        return saves
+
+    @staticmethod
+    def _hits(seq: Sequence, kind: Kind) -> int:
+        """The hit count a new checkpoint starts with (see `checkpoint_policy`)."""
+        if kind is Kind.CANDIDATE:
+            return 0
+        if kind is Kind.JUNCTION:
+            return 1
+        return seq.heat
 
     # ------------------------------------------------------------------ after a step
 
     def update(self, step: ScheduledStep) -> None:
-        """Advances the step's sequences: pages to register, slots to rotate, checkpoints to keep."""
-        for _, _, slot in step.checkpoints:
-            self.states.commit(slot)
+        """Advances the step's sequences: pages to register, checkpoints to keep, slots to swap."""
         for seq, n in zip(step.seqs, step.num_tokens):
             seq.num_computed += n
-            if self.pages is not None and self.caching:
-                hashes = self._hashes(seq)
-                for i in range(seq.num_registered_pages, seq.num_computed // self.page_size):
-                    self.pages.register(seq.pages[i], hashes[i])
-                seq.num_registered_pages = seq.num_computed // self.page_size
-            if self.states is not None:
-                self._rotate_slots(seq)
+            if self.caching:
+                self._register_pages(seq)
+            if seq.restore is not None:
+                self.cache.unpin(seq.restore)
+                seq.restore = None
+            if seq.owned_slots:
+                seq.read_slot = seq.write_slot
+        for save in step.saves:
+            seq = step.seqs[save.seq_index]
+            block_hash = self._hashes(seq)[save.position // self.page_size - 1]
+            if self.cache.commit(save.blocks, block_hash, save.kind.origin, self._hits(seq, save.kind)) is not None:
+                self._note_edge(seq, save, block_hash)
+        for seq in step.seqs:
+            if seq.status is Status.COMPLETING:
+                self.finish(seq)
 
-    def _rotate_slots(self, seq: Sequence) -> None:
-        """The slot just written becomes the one read next; at a page boundary it may become
-        a checkpoint, and the sequence then takes a fresh live slot to write into."""
-        written, end = seq.write_slot, seq.num_computed
-        self._unpin_read(seq)
-        seq.read_slot = written
-        if not self.caching or end % self.page_size or end == 0:
+    def _register_pages(self, seq: Sequence) -> None:
+        hashes = self._hashes(seq)
+        for i in range(seq.num_registered_pages, seq.num_computed // self.page_size):
+            block = seq.pages[i] if self.cache.has_kv else 0
+            self.cache.register(block, hashes[i], hashes[i - 1] if i else None, (i + 1) * self.page_size, seq.heat)
+        seq.num_registered_pages = max(seq.num_registered_pages, seq.num_computed // self.page_size)
+
+    def _note_edge(self, seq: Sequence, save: CheckpointSave, block_hash: bytes) -> None:
+        """A sequence's newer edge checkpoint supersedes its older ones on the same path: the
+        one it resumed from, its prompt end once it decodes past it, its previous trailing one."""
+        if save.kind not in (Kind.PROMPT, Kind.TRAILING):
             return
-        kept = end in (seq.junction, seq.prefill_boundary) or (self.retention.every and end % self.retention.every == 0)
-        if not kept:
-            # A plain page boundary: keep only the latest one of this sequence (so a finished
-            # sequence leaves the last boundary it reached, and its next turn hits). The old
-            # one goes first, so the new one never evicts another prefix's checkpoint.
-            old = self.states.snapshots.get(seq.trailing_checkpoint)
-            if old is not None and old.pins == 0 and old.num_tokens < end and old.block_hash in seq.block_hashes:
-                self.states.drop(old.slot)
         if seq.hit_checkpoint is not None:
-            # The checkpoint this sequence resumed from is now extended by its own: the old
-            # one serves only other branches of that prefix, so it is the first to evict
-            # (before the new one needs room).
-            hit_slot = self.states.slot_of_hash.get(seq.hit_checkpoint)
-            if hit_slot is not None and self.states.snapshots[hit_slot].num_tokens < end:
-                self.states.demote(hit_slot)
+            self.cache.supersede(seq.hit_checkpoint)
             seq.hit_checkpoint = None
-        block_hash = self._hashes(seq)[end // self.page_size - 1]
-        if not self.states.adopt(written, block_hash, end, branch=end == seq.junction):
+        if save.kind is Kind.PROMPT:
+            seq.prompt_checkpoint = block_hash
             return
-        seq.owned_slots.remove(written)
-        seq.owned_slots.extend(self.states.alloc_live(1))
-        self.states.pin(written)
-        if not kept:
-            seq.trailing_checkpoint = written
-            if end > seq.prefill_boundary:
-                self._demote_prompt_checkpoint(seq)
+        for older in (seq.prompt_checkpoint, seq.trailing_checkpoint):
+            if older is not None:
+                self.cache.supersede(older)
+        seq.prompt_checkpoint, seq.trailing_checkpoint = None, block_hash
 
     def finish(self, seq: Sequence) -> None:
-        """Releases a finished sequence's pages and slots (its cached ones stay reusable)."""
+        """Releases a finished sequence's pages and slots (its cached ones stay reusable).
+
+        A sequence whose last sampled token completes a page first takes one more step to
+        compute that token (`Status.COMPLETING`; its output is final already): then that page
+        is cached and the state after it is a checkpoint, so a next turn hits the whole page
+        instead of stopping a page short, for the price of one token."""
+        if self.caching and len(seq.tokens) % self.page_size == 0 and seq.status is Status.RUNNING:
+            seq.status = Status.COMPLETING
+            return
         self.running.remove(seq)
         self.release(seq)
         seq.status = Status.FINISHED
 
-    def _demote_prompt_checkpoint(self, seq: Sequence) -> None:
-        """Once a sequence has a checkpoint past its prompt's end (the one its next turn will
-        hit), the prompt-end checkpoint is only useful to exact repeats: it is made the first
-        to evict, so interleaved conversations keep their latest ends."""
-        if not seq.prefill_boundary or seq.prefill_boundary == seq.junction:
-            return
-        slot = self.states.slot_of_hash.get(seq.block_hashes[seq.prefill_boundary // self.page_size - 1])
-        if slot is not None:
-            self.states.demote(slot)
+    def check_invariants(self) -> None:
+        """Raises AssertionError if the bookkeeping is inconsistent (used by tests)."""
+        self.cache.check_invariants()
+        if self.slots is not None:
+            self.slots.check_invariants()
+            owned = [s for seq in self.running for s in seq.owned_slots]
+            assert len(owned) == len(set(owned)) and set(owned) == self.slots.in_use, "a live slot is lost or shared"
+        held = collections.Counter(b for seq in self.running for b in seq.pages)
+        assert held == collections.Counter(self.cache.pool.ref_count), "page references are off"
+        pins = collections.Counter(seq.restore.node.block_hash for seq in self.running if seq.restore is not None)
+        assert pins == collections.Counter({h: c.pins for h, c in self.cache.checkpoints.items() if c.pins}), (
+            "checkpoint pins are off")

@@ -4,12 +4,14 @@ import dataclasses
 import enum
 import time
 
+from jaxengine.cache.prefix_cache import Checkpoint
 from jaxengine.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    COMPLETING = "completing"  # finished, one step left to compute its last token (see Scheduler.finish)
     FINISHED = "finished"
 
 
@@ -28,18 +30,22 @@ class Sequence:
     status: Status = Status.WAITING
     cache_salt: str | None = None
     num_computed: int = 0
-    pages: list[int] = dataclasses.field(default_factory=list)
-    # SSM state: the two live slots it owns, and the slot its next step reads (one of them, or
-    # a pinned snapshot checkpoint after a prefix hit or once its own state became a checkpoint).
+    pages: list[int] = dataclasses.field(default_factory=list)  # KV blocks of its page table
+    # Recurrent state: the two live slots it owns; each step reads one and writes the other.
     owned_slots: list[int] = dataclasses.field(default_factory=list)
     read_slot: int = 0
+    restore: Checkpoint | None = None  # the cached checkpoint its next step reads instead (a hit)
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of its full pages
-    num_registered_pages: int = 0  # its leading pages already registered in the page cache
+    num_registered_pages: int = 0  # its leading pages already registered in the prefix cache
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
-    junction: int = 0  # a cached-page boundary past the last checkpoint: a prefill chunk ends there
-    prefill_boundary: int = 0  # the last page boundary of what its prefill covers: a chunk ends there
-    hit_checkpoint: bytes | None = None  # the prefix checkpoint it resumed from, until it extends it
-    trailing_checkpoint: int = 0  # its latest page-boundary checkpoint that nothing else keeps
+    heat: int = 1  # hit count its checkpoints and pages start with (inherited from its hit)
+    junction: int = 0  # where the cached pages it matched end beyond its hit (an edge checkpoint)
+    prefill_boundary: int = 0  # the last page boundary of what its prefill covers (an edge checkpoint)
+    # Its edge checkpoints (block hashes), superseded as it writes deeper ones on the same path,
+    # and the one it continues from (a conversation's previous turn).
+    hit_checkpoint: bytes | None = None
+    prompt_checkpoint: bytes | None = None
+    trailing_checkpoint: bytes | None = None
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_text_cut: int | None = None  # characters of output text kept when a stop string matched

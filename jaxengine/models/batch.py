@@ -24,24 +24,44 @@ class StepBatch:
     cu_q_lens: jax.Array  # [S + 1] int32: token offsets of the sequences
     kv_lens: jax.Array  # [S] int32: context length after this step (this step's tokens included)
     page_table: jax.Array  # [S, pages_per_seq] int32: KV pages of each sequence
-    read_slots: jax.Array  # [S] int32: SSM slot each sequence's state is read from
-    write_slots: jax.Array  # [S] int32: SSM slot its new state is written to
-    # Checkpoints to store from inside the scan: the state of sequence `ckpt_seq[c]` after
-    # absolute position `ckpt_pos[c]` (a chunk boundary) goes to SSM slot `ckpt_slot[c]`.
-    ckpt_seq: jax.Array  # [C] int32
-    ckpt_pos: jax.Array  # [C] int32 (-1 for padding)
-    ckpt_slot: jax.Array  # [C] int32 (0, the null slot, for padding)
+    read_slots: jax.Array  # [S] int32: live state slot each sequence's state is read from
+    write_slots: jax.Array  # [S] int32: live state slot its new state is written to
+    # A prefix hit: the sequence's state is read from the checkpoint in these cache blocks
+    # instead of its read slot (block 0, the null block, in the first column: no hit).
+    restore_blocks: jax.Array  # [S, blocks_per_checkpoint] int32
+    # Checkpoints to store: the state of sequence `save_seq[c]` after absolute position
+    # `save_pos[c]` (a page boundary this step reaches) goes to cache blocks `save_blocks[c]`.
+    save_seq: jax.Array  # [C] int32
+    save_pos: jax.Array  # [C] int32 (-1 for padding)
+    save_blocks: jax.Array  # [C, blocks_per_checkpoint] int32 (the null block 0 for padding)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Pools:
-    """Device caches, donated to every step. One entry per attention or Mamba layer."""
+    """Device caches, donated to every step.
 
-    k_pages: tuple[jax.Array, ...]  # each [num_pages, page_size, kv_heads, head_dim]
-    v_pages: tuple[jax.Array, ...]  # each [num_pages, page_size, kv_heads, head_dim]
+    The cache blocks are the KV page arrays: a block is one page of each (KV pages and
+    recurrent-state checkpoints share them, see `checkpoint_store.py`); a model without
+    attention layers keeps its checkpoints in `checkpoints` instead. The live state slots of
+    running sequences are separate, one entry per Mamba layer."""
+
+    k_pages: tuple[jax.Array, ...]  # each [num_blocks, page_size, kv_heads, head_dim]
+    v_pages: tuple[jax.Array, ...]  # each [num_blocks, page_size, kv_heads, head_dim]
+    checkpoints: tuple[jax.Array, ...]  # () or ([num_blocks, layer_state_elems],) without attention layers
     conv_states: tuple[jax.Array, ...]  # each [num_slots, conv_dim, conv_kernel]
     ssm_states: tuple[jax.Array, ...]  # each [num_slots, heads, head_dim, state_size] float32
+
+    def store_arrays(self) -> list[jax.Array]:
+        """The arrays checkpoints are stored in: k0, v0, k1, v1, ... (or `checkpoints`)."""
+        if self.k_pages:
+            return [a for kv in zip(self.k_pages, self.v_pages) for a in kv]
+        return list(self.checkpoints)
+
+    def with_store(self, arrays: list[jax.Array], conv_states: tuple, ssm_states: tuple) -> "Pools":
+        if self.k_pages:
+            return Pools(tuple(arrays[0::2]), tuple(arrays[1::2]), (), conv_states, ssm_states)
+        return Pools((), (), tuple(arrays), conv_states, ssm_states)
 
 
 class TokenLayout(NamedTuple):

@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxengine.models.attention import Attention
 from jaxengine.models.batch import Pools, StepBatch, TokenLayout, token_layout
+from jaxengine.models.checkpoint_store import checkpoint_layout
 from jaxengine.models.config import LayerSpec, ModelConfig
 from jaxengine.models.kernels import KernelOps, kernel_ops
 from jaxengine.models.layers import Mlp, Moe, RMSNorm, linear
@@ -61,9 +62,12 @@ class HybridLM(nnx.Module):
         each sequence's last token this step, and the updated pools."""
         cfg = self.cfg
         ops: KernelOps = kernel_ops(self.kernels)
-        page_size = pools.k_pages[0].shape[1] if pools.k_pages else 1
+        page_size = pools.k_pages[0].shape[1] if pools.k_pages else 1  # without attention: unused
         layout: TokenLayout = token_layout(batch, page_size)
-        k_pages, v_pages = list(pools.k_pages), list(pools.v_pages)
+        # The cache blocks: KV pages of attention layer l are store[2l] and store[2l + 1];
+        # checkpoints lie across all of them (`checkpoint_store.py`).
+        store = pools.store_arrays()
+        ckpts = checkpoint_layout(cfg, store[0].shape[1:], store[0].dtype, len(store)) if store else None
         conv_states, ssm_states = list(pools.conv_states), list(pools.ssm_states)
 
         h = self.embed[...][batch.input_ids]
@@ -72,14 +76,16 @@ class HybridLM(nnx.Module):
         attn_i = mamba_i = 0
         for layer in self.layers:
             if layer.spec.mixer == "attention":
-                out, k_pages[attn_i], v_pages[attn_i] = layer.attention(
-                    layer.mixer_norm(h), k_pages[attn_i], v_pages[attn_i], batch, layout, ops
-                )
+                k, v = 2 * attn_i, 2 * attn_i + 1
+                out, store[k], store[v] = layer.attention(layer.mixer_norm(h), store[k], store[v], batch, layout, ops)
                 attn_i += 1
             elif layer.spec.mixer == "mamba":
-                out, conv_states[mamba_i], ssm_states[mamba_i] = layer.mamba(
-                    layer.mixer_norm(h), conv_states[mamba_i], ssm_states[mamba_i], batch, layout, ops, decode
+                restored = None if decode else ckpts.read(store, batch.restore_blocks, mamba_i)
+                out, conv_states[mamba_i], ssm_states[mamba_i], saved = layer.mamba(
+                    layer.mixer_norm(h), conv_states[mamba_i], ssm_states[mamba_i], batch, layout, ops, decode, restored
                 )
+                if batch.save_seq.shape[0]:
+                    ckpts.write(store, batch.save_blocks, mamba_i, *saved)
                 mamba_i += 1
             if layer.spec.mixer is not None:
                 h = h + out * cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else h + out
@@ -98,5 +104,4 @@ class HybridLM(nnx.Module):
             logits = self.lm_head(h).astype(jnp.float32)
         if cfg.logits_scaling != 1.0:
             logits = logits / cfg.logits_scaling
-        new_pools = Pools(tuple(k_pages), tuple(v_pages), tuple(conv_states), tuple(ssm_states))
-        return logits, new_pools
+        return logits, pools.with_store(store, tuple(conv_states), tuple(ssm_states))

@@ -49,6 +49,7 @@ class KernelOps(NamedTuple):
     ssd_state_update: Callable
     ragged_causal_conv1d: Callable
     causal_conv1d_update: Callable
+    scan_row: Callable[[int], int]  # chunk size -> the most tokens a row of the scan's grid holds
 
 
 def _gpu_attention_fits(q: jax.Array, *args, **kwargs) -> bool:
@@ -68,7 +69,7 @@ def _tpu_scan_fits(*args, chunk_size: int, **kwargs) -> bool:
 @functools.wraps(ragged_ssd_scan)
 def reference_scan(*args, chunk_size: int, **kwargs):
     """The reference scan on rows of gcd(chunk_size, REFERENCE_SCAN_ROW) tokens."""
-    return ragged_ssd_scan(*args, chunk_size=math.gcd(chunk_size, REFERENCE_SCAN_ROW), **kwargs)
+    return ragged_ssd_scan(*args, chunk_size=_reference_row(chunk_size), **kwargs)
 
 
 def _with_fallback(kernel: Callable, reference: Callable, fits: Callable[..., bool]) -> Callable:
@@ -81,8 +82,14 @@ def _with_fallback(kernel: Callable, reference: Callable, fits: Callable[..., bo
     return call
 
 
-def _ops(attention: Callable, scan: Callable) -> KernelOps:
-    return KernelOps(attention, write_kv_pages, scan, ssd_state_update, ragged_causal_conv1d, causal_conv1d_update)
+def _reference_row(chunk_size: int) -> int:
+    return math.gcd(chunk_size, REFERENCE_SCAN_ROW)
+
+
+def _ops(attention: Callable, scan: Callable, scan_row: Callable[[int], int] = lambda chunk: chunk) -> KernelOps:
+    return KernelOps(
+        attention, write_kv_pages, scan, ssd_state_update, ragged_causal_conv1d, causal_conv1d_update, scan_row
+    )
 
 
 def kernel_ops(name: str) -> KernelOps:
@@ -91,7 +98,7 @@ def kernel_ops(name: str) -> KernelOps:
         raise ValueError(f"unknown kernels={name!r}; supported: {', '.join(KERNELS)}")
     backend = jax.default_backend()
     if name == "reference" or (name == "auto" and backend not in ("tpu", "gpu")):
-        return _ops(ragged_paged_attention, reference_scan)
+        return _ops(ragged_paged_attention, reference_scan, _reference_row)
     if name == "pallas-interpret-tpu":
         interp = dict(interpret=True)
         return _ops(

@@ -9,10 +9,22 @@ from jaxengine.models.config import MambaConfig
 from jaxengine.models.kernels import KernelOps
 from jaxengine.models.layers import GatedRMSNorm, linear
 from pallas_kernels.causal_conv1d import conv_states_after
+from pallas_kernels.ssd import ssd_states_at
 
 
-def _read_slots(pool: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax.Array:
-    """Each sequence's state from its read slot; zeros where it starts at position 0.
+def _initial(
+    pool: jax.Array, slots: jax.Array, fresh: jax.Array, hit: jax.Array | None, restored: jax.Array | None
+) -> jax.Array:
+    """Each sequence's state before this step: its prefix hit's checkpoint where it has one,
+    else its read slot's; zeros where it starts at position 0."""
+    rows = _read_slots(pool, slots)
+    if hit is not None:
+        rows = jnp.where(hit.reshape(-1, *[1] * (pool.ndim - 1)), restored.astype(pool.dtype), rows)
+    return jnp.where(fresh.reshape(-1, *[1] * (pool.ndim - 1)), 0, rows)
+
+
+def _read_slots(pool: jax.Array, slots: jax.Array) -> jax.Array:
+    """Each sequence's state from its read slot.
 
     With a single sequence the gather takes one extra row (the null slot 0) that is dropped
     again: with a single index XLA turns the gather into a dynamic slice and fuses copies of
@@ -22,7 +34,7 @@ def _read_slots(pool: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax.Arra
         rows = pool[jnp.concatenate([slots, jnp.zeros((1,), slots.dtype)])][:1]  # [1, ...]
     else:
         rows = pool[slots]  # [S, ...]
-    return jnp.where(fresh.reshape(-1, *[1] * (pool.ndim - 1)), 0, rows)
+    return rows
 
 
 class Mamba2Mixer(nnx.Module):
@@ -54,7 +66,10 @@ class Mamba2Mixer(nnx.Module):
         layout: TokenLayout,
         ops: KernelOps,
         decode: bool,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, D], new conv_pool, new ssm_pool
+        restored: tuple[jax.Array, jax.Array] | None,  # conv [S, conv_dim, K], SSM [S, H, P, N] of hits
+    ) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
+        """Returns out [T, D], the new live pools, and the states to save: conv
+        [C, conv_dim, K] and SSM [C, H, P, N] float32 after each `batch.save_pos`."""
         cfg = self.cfg
         num_tokens = x.shape[0]
         inner, gn = cfg.intermediate_size, cfg.n_groups * cfg.state_size
@@ -62,17 +77,19 @@ class Mamba2Mixer(nnx.Module):
 
         bias = self.conv_bias[...] if cfg.conv_bias else None
         # A sequence whose first token this step is position 0 starts from zero states,
-        # whatever its read slot last held.
+        # whatever its read slot last held; one that resumes from a prefix hit reads the
+        # checkpoint instead of its read slot.
         fresh = layout.start_pos == 0  # [S]
-        conv_in = _read_slots(conv_pool, batch.read_slots, fresh)  # [S, conv_dim, K]
-        if batch.ckpt_slot.shape[0]:
-            consumed = batch.ckpt_pos - layout.start_pos[batch.ckpt_seq]  # tokens of this step before it
-            ckpt_conv = conv_states_after(xbc, conv_in, batch.cu_q_lens, batch.ckpt_seq, consumed)
-            conv_pool = conv_pool.at[batch.ckpt_slot].set(ckpt_conv.astype(conv_pool.dtype))
+        hit = batch.restore_blocks[:, 0] > 0 if restored is not None else None  # [S]
+        conv_in = _initial(conv_pool, batch.read_slots, fresh, hit, restored and restored[0])  # [S, conv_dim, K]
         if decode:
             xbc, conv_out = ops.causal_conv1d_update(xbc, self.conv_weight[...], bias, conv_in)
+            save_conv = conv_out[batch.save_seq]
         else:
+            xbc_raw = xbc
             xbc, conv_out = ops.ragged_causal_conv1d(xbc, self.conv_weight[...], bias, conv_in, batch.cu_q_lens)
+            consumed = batch.save_pos - layout.start_pos[batch.save_seq]  # tokens of this step before it
+            save_conv = conv_states_after(xbc_raw, conv_in, batch.cu_q_lens, batch.save_seq, consumed)
         conv_pool = conv_pool.at[batch.write_slots].set(conv_out.astype(conv_pool.dtype))
         xbc = jax.nn.silu(xbc)
         xs, B, C = jnp.split(xbc, [inner, inner + gn], axis=-1)
@@ -83,24 +100,21 @@ class Mamba2Mixer(nnx.Module):
         dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         dt = jnp.clip(dt, *cfg.time_step_limit)
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
-        state_in = _read_slots(ssm_pool, batch.read_slots, fresh)  # [S, H, P, N]
+        state_in = _initial(ssm_pool, batch.read_slots, fresh, hit, restored and restored[1])  # [S, H, P, N]
         if decode:
             y, state_out = ops.ssd_state_update(state_in, xs, dt, A, B, C)
+            save_ssm = state_out[batch.save_seq]
         else:
             scan = ops.ragged_ssd_scan(
                 xs, dt, A, B, C, state_in, batch.cu_q_lens, layout.start_pos, chunk_size=cfg.chunk_size
             )
             y, state_out = scan.y, scan.final_states
-            if batch.ckpt_slot.shape[0]:
-                # The row whose chunk ends at the checkpoint's position holds its state.
-                match = (scan.chunk_seq[None, :] == batch.ckpt_seq[:, None]) & (
-                    scan.chunk_end[None, :] == batch.ckpt_pos[:, None]
-                )
-                ckpt_states = scan.chunk_states[jnp.argmax(match, axis=1)]  # [C, H, P, N]
-                ssm_pool = ssm_pool.at[batch.ckpt_slot].set(ckpt_states.astype(ssm_pool.dtype))
+            save_ssm = ssd_states_at(
+                xs, dt, A, B, state_in, batch.cu_q_lens, layout.start_pos, scan, batch.save_seq, batch.save_pos,
+                window=ops.scan_row(cfg.chunk_size),
+            )
         ssm_pool = ssm_pool.at[batch.write_slots].set(state_out.astype(ssm_pool.dtype))
 
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs.astype(jnp.float32)
         y = self.norm(y.reshape(num_tokens, inner), z).astype(x.dtype)  # norm in float32, like the reference
-        return self.out_proj(y), conv_pool, ssm_pool
-
+        return self.out_proj(y), conv_pool, ssm_pool, (save_conv, save_ssm.astype(jnp.float32))

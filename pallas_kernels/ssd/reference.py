@@ -157,3 +157,45 @@ def ssd_state_update(
     )
     y = jnp.einsum("shpn,shn->shp", new_state, Ch)
     return y, new_state
+
+
+def ssd_states_at(
+    x: jax.Array,  # [T, H, P]
+    dt: jax.Array,  # [T, H] positive step sizes
+    A: jax.Array,  # [H] negative
+    B: jax.Array,  # [T, G, N]
+    init_states: jax.Array,  # [S, H, P, N]
+    cu_seqlens: jax.Array,  # [S + 1] int32
+    start_pos: jax.Array,  # [S] int32
+    scan: RaggedScanOutput,  # the scan of exactly these inputs
+    seq: jax.Array,  # [C] int32: sequence of each requested state
+    pos: jax.Array,  # [C] int32: absolute position, start_pos[seq] < pos <= its last position + 1
+    *,
+    window: int,
+) -> jax.Array:  # [C, H, P, N] float32
+    """The state of sequence `seq[c]` after its tokens before absolute position `pos[c]`.
+
+    Starts from the latest state the scan returned at or before `pos` (a row's end, or the
+    sequence's initial state) and applies the few tokens between: `window` must bound them,
+    i.e. be at least the scan's row length (its chunk size). Requests with `pos` out of range
+    (padding) get garbage, never an error."""
+    f32 = jnp.float32
+    num_tokens, num_heads, _ = x.shape
+    # The latest row end of that sequence at or before pos.
+    is_base = (scan.chunk_seq[None, :] == seq[:, None]) & (scan.chunk_end[None, :] <= pos[:, None])  # [C, R]
+    base_row = jnp.argmax(jnp.where(is_base, scan.chunk_end[None, :], -1), axis=1)
+    has_row = is_base.any(axis=1)
+    seq_start = start_pos[seq]
+    base_pos = jnp.where(has_row, scan.chunk_end[base_row], seq_start)
+    base = jnp.where(has_row[:, None, None, None], scan.chunk_states[base_row], init_states[seq].astype(f32))
+    # The tokens in [base_pos, pos), at most `window` of them.
+    token_pos = base_pos[:, None] + jnp.arange(window)[None, :]  # [C, W]
+    inside = token_pos < pos[:, None]
+    token = jnp.clip(cu_seqlens[seq][:, None] + token_pos - seq_start[:, None], 0, num_tokens - 1)
+    dt_w = jnp.where(inside[..., None], dt[token].astype(f32), 0.0)  # [C, W, H]
+    a_cum = jnp.cumsum(dt_w * A.astype(f32), axis=1)
+    to_end = jnp.exp(a_cum[:, -1:, :] - a_cum)  # decay from after each token to pos
+    x_w = x[token].astype(f32) * dt_w[..., None]  # [C, W, H, P]
+    B_w = _heads(B[token].astype(f32), num_heads)  # [C, W, H, N]
+    inputs = jnp.einsum("cwh,cwhp,cwhn->chpn", to_end, x_w, B_w)
+    return jnp.exp(a_cum[:, -1, :])[..., None, None] * base + inputs

@@ -19,10 +19,11 @@ def _workload(seed: int, n: int = 64) -> tuple[list[list[int]], list[int]]:
 @pytest.mark.parametrize("arch", ["bamba", "llama"])
 def test_greedy_matches_transformers_under_preemption(tiny_models, arch):
     """64 requests of 1-240 tokens through 8 sequence slots, a 64-token budget and a KV pool
-    that holds about two long requests: every request's greedy tokens equal transformers'
-    for that prompt alone, preemption did happen, and every page and slot comes back."""
+    that holds about two long requests (cached pages and checkpoints included): every
+    request's greedy tokens equal transformers' for that prompt alone, preemption did happen,
+    and every block and slot comes back."""
     path, hf_model = tiny_models[arch]
-    llm = LLM(path, **{**ENGINE_ARGS, "num_kv_pages": 1 + 130, "warm_up": False})
+    llm = LLM(path, **{**ENGINE_ARGS, "num_cache_blocks": 1 + 130, "warm_up": False})
     prompts, max_tokens = _workload(seed=1)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -32,9 +33,11 @@ def test_greedy_matches_transformers_under_preemption(tiny_models, arch):
     sched = llm.engine.scheduler
     assert sched.num_preemptions > 0
     assert not sched.running and not sched.waiting
-    assert sched.pages.num_in_use == 0 and sched.pages.num_free == sched.pages.num_usable
-    if sched.states is not None:
-        assert not sched.states.live and all(c.pins == 0 for c in sched.states.snapshots.values())
+    sched.check_invariants()
+    assert sched.cache.pool.num_referenced == 0 and not sched.cache.pending
+    assert all(c.pins == 0 for c in sched.cache.checkpoints.values())
+    if sched.slots is not None:
+        assert not sched.slots.in_use
 
 
 def test_no_compiles_after_warm_up(bamba_llm):

@@ -1,4 +1,5 @@
-"""Prefix caching end to end: greedy outputs are identical with caching on and off."""
+"""Prefix caching end to end: greedy outputs identical with caching on and off, and hits
+where a plain transformer would hit."""
 
 import pytest
 
@@ -6,9 +7,13 @@ from jaxengine import LLM, SamplingParams
 from tests.models.tiny_models import ARCHS, random_prompt, save_tiny_model
 
 # page 4 and chunk 8 (tiny models): a 45-token prefix ends mid-page and mid-chunk
-ARGS = dict(max_model_len=256, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False)
-SMALL_POOLS = dict(num_kv_pages=1 + 64, num_ssm_snapshot_slots=3)
+ARGS = dict(max_model_len=256, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False,
+            compilation_cache_dir=None)
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+# Pools small enough that pages and checkpoints evict: room for the running sequences and a
+# few checkpoints (a tiny model's checkpoint takes 2 blocks without attention layers, ~20 with).
+SMALL_POOL = {"mamba2": 1 + 6, "llama": 1 + 80}
+SMALL_POOL_WITH_ATTENTION = 1 + 120
 
 
 def _run_workload(llm: LLM) -> list[list[int]]:
@@ -31,55 +36,102 @@ def _run_workload(llm: LLM) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_outputs_identical_with_caching_on_and_off(tmp_path, arch):
+    """For every retention interval (dense, sparse, every 8 tokens), under a pool where
+    everything evicts."""
     save_tiny_model(arch, tmp_path)
-    on = LLM(tmp_path, **ARGS, **SMALL_POOLS)
-    off = LLM(tmp_path, **ARGS, **SMALL_POOLS, enable_prefix_caching=False)
-    assert _run_workload(on) == _run_workload(off)
-    stats = on.stats()
-    assert stats["tokens_hit"] > 0.2 * stats["tokens_asked"]
-    assert off.stats()["tokens_hit"] == 0
-    if on.engine.scheduler.pages is not None:
-        assert stats["kv_page_evictions"] > 0
-    if on.engine.scheduler.states is not None:
-        assert stats["ssm_snapshot_evictions"] > 0
+    pool = dict(num_cache_blocks=SMALL_POOL.get(arch, SMALL_POOL_WITH_ATTENTION))
+    want = _run_workload(LLM(tmp_path, **ARGS, **pool, enable_prefix_caching=False))
+    retentions = (None, 0, 8) if arch != "llama" else (None,)  # no checkpoints without recurrent layers
+    for retention in retentions:
+        on = LLM(tmp_path, **ARGS, **pool, prefix_cache_retention_interval=retention)
+        assert _run_workload(on) == want, f"retention {retention}"
+        stats = on.stats()
+        assert stats["tokens_hit"] > 0.2 * stats["tokens_asked"], retention
+        if on.engine.scheduler.cache.recurrent:
+            assert stats["checkpoint_evictions"] > 0, retention
+        if on.engine.scheduler.cache.has_kv:
+            assert stats["kv_page_evictions"] > 0, retention
 
 
-def test_dense_scan_checkpoints_give_identical_outputs(tmp_path):
-    """Checkpoints scattered from inside the scan (dense retention) are read back by later
-    hits; a wrong state or conv window there would change the greedy tokens."""
+@pytest.mark.parametrize("arch", ["bamba", "nemotron_h", "llama"])
+def test_default_settings_hit_like_a_transformer(tmp_path, arch):
+    """Default engine settings (page 16): a 200-token shared prefix hits from the second
+    request on; after P(300) + x, a request P[:150] + y hits at the last page boundary of
+    the shared part; no hit crosses a cache salt."""
+    save_tiny_model(arch, tmp_path)
+    llm = LLM(tmp_path, warm_up=False, compilation_cache_dir=None)
+    if arch != "llama":
+        assert llm.stats()["prefix_cache_retention_interval"] is None  # dense: the default for hybrids
+    prefix = random_prompt(200, 20)
+    hits = [llm.generate([prefix + random_prompt(9, 21 + r)], GREEDY, use_tqdm=False)[0].num_cached_tokens
+            for r in range(3)]
+    assert hits == [0, 192, 192]
+    p = random_prompt(300, 30)
+    llm.generate([p + random_prompt(5, 31)], GREEDY, use_tqdm=False)
+    assert llm.generate([p[:150] + random_prompt(5, 32)], GREEDY, use_tqdm=False)[0].num_cached_tokens == 144
+    salted = llm.generate([{"prompt_token_ids": prefix + [1, 2], "cache_salt": "other"}], GREEDY, use_tqdm=False)
+    assert salted[0].num_cached_tokens == 0
+
+
+def test_dense_checkpoints_inside_scan_chunks_give_identical_outputs(tmp_path):
+    """Checkpoints at page boundaries inside a scan chunk (page 4, chunk 8) and across chunk
+    ends are stored by the step that computes them and read back by later hits; a wrong
+    state or conv window there would change the greedy tokens."""
     save_tiny_model("bamba", tmp_path)
-    dense = LLM(tmp_path, **ARGS, ssm_retention="dense", num_ssm_snapshot_slots=64)
+    dense = LLM(tmp_path, **ARGS, num_cache_blocks=2000)  # room for every checkpoint: none is evicted
     off = LLM(tmp_path, **ARGS, enable_prefix_caching=False)
     long_prefix = random_prompt(70, 7)
-    first = [long_prefix + random_prompt(5, 8)]
-    # one long first prefill (chunks of 32) stores scan checkpoints at 8, 16, 24, ...
-    dense.generate(first, GREEDY, use_tqdm=False)
-    scan_only = [c.num_tokens for c in dense.engine.scheduler.states.snapshots.values() if c.num_tokens % 32]
-    assert scan_only, "no checkpoint came from inside the scan"
-    probes = [long_prefix[:n] + random_prompt(6, n) for n in (9, 17, 26, 41, 58, 66)]
+    dense.generate([long_prefix + random_prompt(5, 8)], GREEDY, use_tqdm=False)  # chunks of 32 tokens
+    probes = [long_prefix[:n] + random_prompt(6, n) for n in (9, 13, 17, 26, 30, 41, 58, 66)]
     got = dense.generate(probes, GREEDY, use_tqdm=False)
     want = off.generate(probes, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert [o.num_cached_tokens for o in got] == [8, 16, 24, 40, 56, 64]
+    assert [o.num_cached_tokens for o in got] == [8, 12, 16, 24, 28, 40, 56, 64]
 
 
 def test_num_cached_tokens_on_hand_built_cases(tmp_path):
-    """A second request sharing 100 tokens with a 112-token first one hits at the largest
-    full page (100) on a plain transformer. On a hybrid model it hits at the largest
-    checkpoint <= 100: none yet (the first prompt checkpointed only its end, 112), so its
-    prefill stops at the junction 100 to make one, and a third request hits there."""
+    """A request sharing 100 tokens with a 112-token first one hits at 100 on the hybrid as on
+    the plain transformer (dense checkpoints); with sparse retention the hybrid has no
+    checkpoint there yet, leaves one at that junction, and the next request hits there."""
     shared = random_prompt(100, 11)
     first = shared + random_prompt(12, 12)
-    for arch, expected, expected_repeat in (("llama", 100, 108), ("bamba", 0, 100)):
-        path = tmp_path / arch
+    cases = (("llama", None, 100, 108), ("bamba", None, 100, 108), ("bamba", 0, 0, 100))
+    for arch, retention, second_hit, repeat_hit in cases:
+        path = tmp_path / f"{arch}{retention}"
         save_tiny_model(arch, path)
-        llm = LLM(path, **ARGS)
+        llm = LLM(path, **ARGS, prefix_cache_retention_interval=retention)
         llm.generate([first], GREEDY, use_tqdm=False)
         second = llm.generate([shared + [4, 5]], GREEDY, use_tqdm=False)[0]
-        assert second.num_cached_tokens == expected, arch
+        assert second.num_cached_tokens == second_hit, (arch, retention)
         third = llm.generate([shared + [6]], GREEDY, use_tqdm=False)[0]
-        assert third.num_cached_tokens == 100, arch
+        assert third.num_cached_tokens == 100, (arch, retention)
+        if retention == 0:
+            assert llm.stats()["tokens_lost_for_want_of_checkpoint"] == 100  # the second request's
+        # An exact repeat must compute its last token: it hits at the last page boundary before
+        # it (108); sparse has no checkpoint there, only at the junction (100).
         repeat = llm.generate([first], GREEDY, use_tqdm=False)[0]
-        # an exact repeat must compute its last token: the plain transformer hits at the last
-        # full page before it (108); the hybrid at the last checkpoint below it (the junction 100)
-        assert repeat.num_cached_tokens == expected_repeat, arch
+        assert repeat.num_cached_tokens == repeat_hit, (arch, retention)
+
+
+def test_pool_use_is_reported_in_bytes(tmp_path):
+    save_tiny_model("bamba", tmp_path)
+    llm = LLM(tmp_path, **ARGS)
+    llm.generate([random_prompt(60, 3)], GREEDY, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["checkpoints_held"] > 0 and stats["kv_pages_cached"] > 0
+    assert stats["checkpoint_bytes_held"] == stats["checkpoints_held"] * 22 * stats["cache_block_bytes"]
+    assert stats["kv_page_bytes_held"] == stats["kv_pages_cached"] * stats["cache_block_bytes"]
+    assert stats["blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("key", ["ssm_retention", "num_ssm_snapshot_slots", "num_kv_pages"])
+def test_replaced_arguments_name_their_replacement(tmp_path, key):
+    with pytest.raises(ValueError, match=f"'{key}' was replaced by"):
+        LLM(tmp_path, **{key: 1})
+
+
+@pytest.mark.parametrize("bad", [-16, 6, "dense"])
+def test_bad_retention_interval_is_refused(tmp_path, bad):
+    save_tiny_model("bamba", tmp_path)
+    with pytest.raises(ValueError, match="prefix_cache_retention_interval"):
+        LLM(tmp_path, **ARGS, prefix_cache_retention_interval=bad)

@@ -1,10 +1,13 @@
 """The scheduler and the prefix cache's host-side bookkeeping, driven by a fake device.
 
-The fake device does what the real step does to the caches, but with token lists instead
-of tensors: it checks that every page a step reads holds exactly the tokens at those
-positions and that the SSM slot it reads holds the state of exactly the tokens before the
-step, then writes pages, the write slot and the scan checkpoints. Any bookkeeping mistake
-(a shared page overwritten, a stale slot read, a checkpoint at the wrong position) fails.
+The fake device does what the real step does to the pools, with token lists instead of
+tensors: a cache block holds either a page's tokens or a piece of a checkpoint (the prefix
+its state covers), a live slot the prefix its state covers. Every read is checked: each page
+a step reads holds exactly the tokens at those positions, the state a step starts from
+(its read slot, or the checkpoint blocks of its hit) covers exactly the tokens before the
+step, and a step never writes a block another sequence or the cache holds. Any bookkeeping
+mistake (a shared page overwritten, a checkpoint whose blocks were reused, a stale slot, a
+checkpoint at the wrong position) fails.
 """
 
 import math
@@ -13,54 +16,71 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxengine.cache.page_cache import PageCache
-from jaxengine.cache.state_cache import Retention, StateCache
+from jaxengine.cache import checkpoint_policy
+from jaxengine.cache.block_pool import BlockPool
+from jaxengine.cache.hit_value import ModelCosts
+from jaxengine.cache.live_slots import LiveSlots
+from jaxengine.cache.prefix_cache import PrefixCache
 from jaxengine.engine.sampling_params import SamplingParams
 from jaxengine.engine.scheduler import ScheduledStep, Scheduler
 from jaxengine.engine.sequence import Sequence, Status
 
 PAGE = 4
-INTERVAL = 8
+CKPT_BLOCKS = 3  # a checkpoint spans three blocks
+COSTS = ModelCosts(num_weights=1000, attention_width=8, kv_bytes_per_token=16, checkpoint_bytes=CKPT_BLOCKS * 64)
 
 
 class FakeDevice:
-    """Shadow caches: page -> tokens written there, slot -> the prefix its state covers."""
+    """Shadow pools: block -> ("page", {offset: token}) or ("ckpt", prefix, piece); slot -> prefix."""
 
     def __init__(self):
-        self.pages: dict[int, dict[int, int]] = {}
-        self.states: dict[int, tuple[int, ...]] = {}
+        self.blocks: dict[int, tuple] = {}
+        self.slots: dict[int, tuple[int, ...]] = {}
 
     def run(self, step: ScheduledStep, sched: Scheduler) -> None:
+        cache = sched.cache
+        restores = dict(step.restores)
+        saved_blocks = [b for s in step.saves for b in s.blocks]
+        assert len(saved_blocks) == len(set(saved_blocks)), "two checkpoints of a step share a block"
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
             start = seq.num_computed
-            if sched.pages is not None:
+            if cache.has_kv:
                 for pos in range(start):
-                    assert self.pages[seq.pages[pos // PAGE]][pos % PAGE] == seq.tokens[pos], "a page read holds other tokens"
-            if sched.states is not None:
-                if start:
-                    assert self.states.get(seq.read_slot) == tuple(seq.tokens[:start]), "stale SSM state read"
+                    kind, tokens = self.blocks.get(seq.pages[pos // PAGE], (None, None))[:2]
+                    assert kind == "page" and tokens.get(pos % PAGE) == seq.tokens[pos], "a page read holds other tokens"
+            if cache.recurrent:
                 assert seq.write_slot != seq.read_slot and seq.write_slot in seq.owned_slots
+                if i in restores:
+                    prefix = tuple(seq.tokens[:start])
+                    for piece, block in enumerate(restores[i]):
+                        assert self.blocks.get(block) == ("ckpt", prefix, piece), "a checkpoint read was overwritten"
+                elif start:
+                    assert self.slots.get(seq.read_slot) == tuple(seq.tokens[:start]), "stale state read"
             for pos in range(start, start + n):
-                if sched.pages is not None:
-                    self.pages.setdefault(seq.pages[pos // PAGE], {})[pos % PAGE] = seq.tokens[pos]
-            if sched.states is not None:
-                self.states[seq.write_slot] = tuple(seq.tokens[: start + n])
-            for c_seq, pos, slot in step.checkpoints:
-                if c_seq == i:
-                    assert start < pos < start + n and pos % INTERVAL == 0
-                    self.states[slot] = tuple(seq.tokens[:pos])
+                if cache.has_kv:
+                    block = seq.pages[pos // PAGE]
+                    assert cache.pool.ref_count.get(block) == 1, "a step writes a page it does not own alone"
+                    assert block not in saved_blocks and block not in cache.pending, "a page write hits a checkpoint"
+                    if self.blocks.get(block, ("",))[0] != "page" or pos % PAGE == 0:
+                        self.blocks[block] = ("page", {})
+                    self.blocks[block][1][pos % PAGE] = seq.tokens[pos]
+            if cache.recurrent:
+                self.slots[seq.write_slot] = tuple(seq.tokens[: start + n])
+        for save in step.saves:
+            seq = step.seqs[save.seq_index]
+            start, n = seq.num_computed, step.num_tokens[save.seq_index]
+            assert start < save.position <= start + n and save.position % PAGE == 0
+            for piece, block in enumerate(save.blocks):
+                assert block not in cache.pool.ref_count, "a checkpoint write hits a running sequence's page"
+                self.blocks[block] = ("ckpt", tuple(seq.tokens[: save.position]), piece)
 
 
-def _scheduler(num_pages: int, max_seqs: int, budget: int, *, snapshots: int = 8, retention: str = "sparse",
-               attention: bool = True, mamba: bool = True) -> Scheduler:
-    return Scheduler(
-        max_num_seqs=max_seqs,
-        max_num_batched_tokens=budget,
-        page_size=PAGE,
-        pages=PageCache(num_pages) if attention else None,
-        states=StateCache(2 * max_seqs, snapshots) if mamba else None,
-        retention=Retention.parse(retention, INTERVAL),
-    )
+def _scheduler(num_blocks: int, max_seqs: int, budget: int, *, retention: int | None = checkpoint_policy.DENSE,
+               attention: bool = True, mamba: bool = True, caching: bool = True) -> Scheduler:
+    cache = PrefixCache(BlockPool(num_blocks), page_size=PAGE, has_kv=attention,
+                        checkpoint_blocks=CKPT_BLOCKS if mamba else 0, value=COSTS.value_fn(), enabled=caching)
+    return Scheduler(max_num_seqs=max_seqs, max_num_batched_tokens=budget, page_size=PAGE, cache=cache,
+                     slots=LiveSlots(2 * max_seqs) if mamba else None, retention_interval=retention)
 
 
 def _drive(sched: Scheduler, device: FakeDevice, seqs: list[Sequence], outputs: dict[str, list[int]]) -> None:
@@ -74,36 +94,33 @@ def _drive(sched: Scheduler, device: FakeDevice, seqs: list[Sequence], outputs: 
         assert step.seqs, "a step with pending requests scheduled nothing"
         assert step.total_tokens <= sched.max_num_batched_tokens
         assert len(sched.running) <= sched.max_num_seqs
+        assert len(step.saves) <= checkpoint_policy.max_per_step(step.total_tokens, len(step.seqs), PAGE)
         for seq, n in zip(step.seqs, step.num_tokens):
-            assert seq.status is Status.RUNNING and 1 <= n <= seq.num_uncomputed
-            if sched.pages is not None:
+            assert seq.status in (Status.RUNNING, Status.COMPLETING) and 1 <= n <= seq.num_uncomputed
+            if seq.status is Status.COMPLETING:  # its last token, which completes a page
+                assert n == 1 and len(seq.tokens) % PAGE == 0
+            if sched.cache.has_kv:
                 assert len(seq.pages) * PAGE >= seq.num_computed + n, "tokens scheduled without pages"
         device.run(step, sched)
         sched.update(step)
         for seq in step.seqs:
-            if seq.num_computed == len(seq.tokens):
+            if seq.status is Status.RUNNING and seq.num_computed == len(seq.tokens):
                 seq.tokens.append(outputs[seq.request_id][seq.num_output_tokens])
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     sched.finish(seq)
-        if sched.pages is not None:
-            sched.pages.check_invariants()
-        if sched.states is not None:
-            sched.states.check_invariants()
+        sched.check_invariants()
         assert steps < 20_000
 
 
 def _assert_all_returned(sched: Scheduler) -> None:
-    if sched.pages is not None:
-        assert sched.pages.num_in_use == 0 and sched.pages.num_free == sched.pages.num_usable
-    if sched.states is not None:
-        assert not sched.states.live and all(c.pins == 0 for c in sched.states.snapshots.values())
+    assert sched.cache.pool.num_referenced == 0 and not sched.cache.pending
+    assert all(c.pins == 0 for c in sched.cache.checkpoints.values())
+    if sched.slots is not None:
+        assert not sched.slots.in_use
 
 
 prefix_st = st.lists(st.integers(0, 3), min_size=0, max_size=40)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
+workload_st = dict(
     shared=st.lists(prefix_st, min_size=1, max_size=3),
     requests=st.lists(
         st.tuples(st.integers(0, 2), st.lists(st.integers(0, 3), min_size=1, max_size=20), st.integers(1, 8),
@@ -112,29 +129,53 @@ prefix_st = st.lists(st.integers(0, 3), min_size=0, max_size=40)
     ),
     budget=st.integers(4, 40),
     max_seqs=st.integers(1, 4),
-    extra_pages=st.integers(0, 24),
-    snapshots=st.integers(0, 6),
-    retention=st.sampled_from(["sparse", "dense", "every=16"]),
+    extra_blocks=st.integers(0, 40),
+    retention=st.sampled_from([checkpoint_policy.DENSE, checkpoint_policy.SPARSE, 8]),
     kind=st.sampled_from(["hybrid", "attention", "mamba"]),
 )
-def test_random_workloads_keep_the_caches_consistent(shared, requests, budget, max_seqs, extra_pages, snapshots,
-                                                      retention, kind):
-    """Requests built from a few shared prefixes (so hits, junctions and shared pages happen)
-    under tight pools: every step reads exactly the right tokens and states, the invariants
-    hold after every step, every request finishes, and nothing is leaked at the end."""
+
+
+def _run_workload(shared, requests, budget, max_seqs, extra_blocks, retention, kind) -> tuple[Scheduler, list[Sequence]]:
     prompts = [shared[p % len(shared)] + suffix for p, suffix, _, _ in requests]
     biggest = max(math.ceil((len(p) + m) / PAGE) for p, (_, _, m, _) in zip(prompts, requests))
-    sched = _scheduler(1 + biggest + extra_pages, max_seqs, budget, snapshots=snapshots, retention=retention,
+    # Room for the largest request's pages (or, without attention layers, one checkpoint) plus a few spare.
+    sched = _scheduler(2 + (biggest if kind != "mamba" else 0) + extra_blocks, max_seqs, budget, retention=retention,
                        attention=kind != "mamba", mamba=kind != "attention")
     seqs, outputs = [], {}
     for i, (prompt, (_, _, max_tokens, salt)) in enumerate(zip(prompts, requests)):
         seqs.append(Sequence(str(i), i, list(prompt), len(prompt), SamplingParams(max_tokens=max_tokens), 0, cache_salt=salt))
         outputs[str(i)] = [(i + k) % 4 for k in range(max_tokens)]
     _drive(sched, FakeDevice(), seqs, outputs)
+    return sched, seqs
+
+
+@settings(max_examples=80, deadline=None)
+@given(**workload_st)
+def test_random_workloads_keep_the_caches_consistent(shared, requests, budget, max_seqs, extra_blocks, retention, kind):
+    """Requests built from a few shared prefixes (so hits, junctions and shared pages happen)
+    under tight pools: every step reads exactly the right tokens and states, the invariants
+    hold after every step (no block leaked or counted twice, no checkpoint whose pages are
+    gone, references and pins as the running sequences hold them), every request finishes,
+    and nothing is held at the end."""
+    sched, seqs = _run_workload(shared, requests, budget, max_seqs, extra_blocks, retention, kind)
     assert all(s.status is Status.FINISHED and s.num_output_tokens == s.params.max_tokens for s in seqs)
     _assert_all_returned(sched)
     for s in seqs:
         assert s.num_cached_tokens is not None and s.num_cached_tokens % PAGE == 0 and s.num_cached_tokens < len(s.tokens)
+
+
+def test_a_broken_eviction_is_caught(monkeypatch):
+    """An eviction that frees a checkpoint's blocks but leaves it readable must fail the
+    checks above (a later hit reads blocks that now hold other data)."""
+
+    def leaky_drop(self, ckpt):
+        self.pool.give_back(ckpt.blocks)
+
+    monkeypatch.setattr(PrefixCache, "_drop_checkpoint", leaky_drop)
+    shared = [[1, 2, 3] * 5]
+    requests = [(0, [k % 4] * 6, 4, None) for k in range(10)]
+    with pytest.raises((AssertionError, RuntimeError)):  # the checks above, or the pool's own
+        _run_workload(shared, requests, budget=16, max_seqs=2, extra_blocks=12, retention=None, kind="hybrid")
 
 
 def _one(sched: Scheduler, device: FakeDevice, tokens: list[int], rid: str, max_tokens: int = 1, salt: str | None = None) -> Sequence:
@@ -144,45 +185,63 @@ def _one(sched: Scheduler, device: FakeDevice, tokens: list[int], rid: str, max_
 
 
 @pytest.mark.parametrize("budget", [16, 64, 512])
-def test_shared_system_prompt_hits_by_the_third_request(budget):
-    """A 200-token system prompt then distinct questions: the second request ends a chunk at
-    the junction (192), so the third hits there whatever the chunk budget."""
-    sched, device = _scheduler(400, 4, budget), FakeDevice()
-    system = [i % 97 for i in range(200)]
+def test_dense_hybrid_hits_a_shared_prefix_from_the_second_request(budget):
+    """A 202-token shared prefix then distinct questions: the first request's scan stores
+    candidates at every page boundary, so the second hits at the largest one (200)."""
+    sched, device = _scheduler(600, 4, budget), FakeDevice()
+    system = [i % 97 for i in range(202)]
     hits = [_one(sched, device, system + [100 + r, 101, 102], str(r)).num_cached_tokens for r in range(4)]
-    assert hits[0] == 0
-    assert hits[2] == hits[3] == 200 // PAGE * PAGE
+    assert hits == [0, 200, 200, 200]
+
+
+def test_dense_hybrid_hits_where_a_later_prompt_leaves_an_earlier_one():
+    sched, device = _scheduler(600, 4, 64), FakeDevice()
+    p = [i % 89 for i in range(300)]
+    _one(sched, device, p + [1, 2], "a")
+    assert _one(sched, device, p[:150] + [3, 3, 3], "b").num_cached_tokens == 148
+
+
+def test_sparse_hybrid_hits_a_shared_prefix_from_the_third_request():
+    """Sparse retention stores no candidates: the second request leaves a junction checkpoint
+    where it left the first one's pages, and the third hits there."""
+    sched, device = _scheduler(600, 4, 64, retention=checkpoint_policy.SPARSE), FakeDevice()
+    system = [i % 97 for i in range(202)]
+    hits = [_one(sched, device, system + [100 + r, 101, 102], str(r)).num_cached_tokens for r in range(4)]
+    assert hits == [0, 0, 200, 200]
+    assert sched.stats.tokens_lost == 200  # the second request matched 50 cached pages it could not use
 
 
 def test_plain_transformer_hits_at_the_largest_full_page():
     sched, device = _scheduler(400, 4, 64, mamba=False), FakeDevice()
-    first = list(range(1000 % 251)) * 5
-    first = first[:1000]
+    first = [i % 251 for i in range(1000)]
     _one(sched, device, first + [1, 2, 3], "a")
-    second = _one(sched, device, first + [4, 5], "b")
-    assert second.num_cached_tokens == 1000 // PAGE * PAGE
+    assert _one(sched, device, first + [4, 5], "b").num_cached_tokens == 1000
+    assert sched.stats.tokens_lost == 0
 
 
-def test_hybrid_hits_at_the_largest_checkpoint_and_the_next_turn_hits_past_the_answer():
-    sched, device = _scheduler(600, 4, 64, retention="dense", snapshots=300), FakeDevice()
-    first = [i % 53 for i in range(1000)]
-    a = _one(sched, device, first + [1, 2, 3], "a", max_tokens=10)
-    b = _one(sched, device, first + [4, 5], "b")
-    # dense checkpoints every 8 tokens, and the first prompt ended at page boundary 1000
-    assert b.num_cached_tokens == 1000
+def test_the_next_turn_hits_past_the_answer():
+    sched, device = _scheduler(600, 4, 64), FakeDevice()
+    a = _one(sched, device, [i % 53 for i in range(100)], "a", max_tokens=10)
     turn2 = a.tokens + [9, 9, 9]  # prompt + answer + a new message
-    c = _one(sched, device, turn2, "c")
-    assert c.num_cached_tokens == (len(a.tokens) - 1) // PAGE * PAGE  # the last boundary turn 1 reached
+    assert _one(sched, device, turn2, "b").num_cached_tokens == (len(a.tokens) - 1) // PAGE * PAGE
 
 
 def test_different_salts_share_nothing():
     sched, device = _scheduler(400, 4, 64), FakeDevice()
     prompt = list(range(50))
     _one(sched, device, prompt, "a", salt="x")
-    _one(sched, device, prompt, "b", salt="x")
-    assert _one(sched, device, prompt, "c", salt="x").num_cached_tokens > 0
-    assert _one(sched, device, prompt, "d", salt="y").num_cached_tokens == 0
-    assert _one(sched, device, prompt, "e").num_cached_tokens == 0
+    assert _one(sched, device, prompt, "b", salt="x").num_cached_tokens > 0
+    assert _one(sched, device, prompt, "c", salt="y").num_cached_tokens == 0
+    assert _one(sched, device, prompt, "d").num_cached_tokens == 0
+
+
+def test_cached_content_never_starves_admission():
+    """Every block holds cache content, yet a long new request is admitted: it evicts what it needs."""
+    sched, device = _scheduler(1 + 30, 1, 512, mamba=False), FakeDevice()
+    for k in range(15):
+        _one(sched, device, [k] * 8, str(k))  # leaves 2 full pages each
+    assert sched.cache.pool.num_free == 0
+    assert _one(sched, device, [42] * 100, "long").status is Status.FINISHED
 
 
 def test_small_pool_preempts_newest_and_recomputes():
@@ -208,26 +267,19 @@ def test_decodes_are_scheduled_before_prefill_chunks():
     assert step.num_tokens[1] == 15  # the rest of the budget goes to the prompt's first chunk
 
 
-def test_page_cache_rejects_double_release_and_never_hands_out_the_sink():
-    pc = PageCache(4)
-    got = pc.allocate(3)
-    assert sorted(got) == [1, 2, 3]
-    assert pc.allocate(1) is None
-    pc.release([2])
-    with pytest.raises(RuntimeError, match="not referenced"):
-        pc.release([2])
-    with pytest.raises(ValueError, match="at least 2"):
-        PageCache(1)
+@pytest.mark.parametrize("mamba", [True, False])
+def test_a_last_token_that_completes_a_page_is_computed_for_the_next_turn(mamba):
+    """A finished sequence of 12 tokens (prompt 9 + 3 sampled) computes its 12th token too, so
+    the next turn hits all 3 pages instead of 2."""
+    sched, device = _scheduler(200, 4, 64, mamba=mamba), FakeDevice()
+    a = _one(sched, device, [3] * 9, "a", max_tokens=3)
+    assert len(a.tokens) == 12 and a.num_computed == 12
+    assert _one(sched, device, a.tokens + [5, 5], "b").num_cached_tokens == 12
 
 
-def test_unreferenced_cached_pages_are_evicted_least_recently_used_first():
-    pc = PageCache(4)
-    a, b, c = pc.allocate(3)
-    for page, h in ((a, b"a"), (b, b"b"), (c, b"c")):
-        pc.register(page, h)
-    pc.release([b])
-    pc.release([a])
-    pc.release([c])  # LRU order: b, a, c
-    assert pc.allocate(1) == [b] and pc.lookup([b"b"]) == []
-    assert pc.lookup([b"a"]) == [a]
-    pc.check_invariants()
+def test_a_step_that_reads_a_checkpoint_is_not_a_decode_step():
+    sched, device = _scheduler(200, 4, 64), FakeDevice()
+    _one(sched, device, [3] * 9, "a")  # 9 tokens: a checkpoint at 8
+    sched.add(Sequence("b", 0, [3] * 9, 9, SamplingParams(max_tokens=1), 0))
+    step = sched.schedule()
+    assert step.num_tokens == [1] and step.restores and not step.is_decode

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 
 from pallas_kernels.ssd._layout import num_scan_rows
-from pallas_kernels.ssd.reference import ragged_ssd_scan, ssd_state_update
+from pallas_kernels.ssd.reference import ragged_ssd_scan, ssd_state_update, ssd_states_at
 from tests.pallas_kernels.tolerance import assert_close_to_scale
 
 NUM_HEADS, HEAD_DIM, STATE_SIZE = 4, 3, 5  # H, P, N
@@ -237,3 +237,35 @@ def test_state_update_matches_scan_on_single_tokens(num_groups):
     )
     assert_close(y, scan.y)
     assert_close(new_state, scan.final_states)
+
+
+@settings(max_examples=8, deadline=None)  # each example compiles anew
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4),
+    starts=st.lists(st.integers(0, 40), min_size=4, max_size=4),
+    chunk=st.sampled_from([4, 8, 16]),
+    num_groups=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_states_at_any_position_match_the_recurrence(lengths, starts, chunk, num_groups, seed):
+    """`ssd_states_at` gives the state after any position of the step, inside a chunk as well
+    as at its end, equal to the float64 recurrence's; requests for padding stay harmless."""
+    rng = np.random.default_rng(seed)
+    start_pos = starts[: len(lengths)]
+    inputs = make_inputs(rng, lengths, start_pos, num_groups, num_pad=3)
+    scan = ragged_ssd_scan(**inputs, chunk_size=chunk)
+    _, _, trajectories = sequential_scan(inputs)
+    seqs, positions, want = [], [], []
+    for s, length in enumerate(lengths):
+        for i in rng.choice(length, size=min(length, 5), replace=False):
+            seqs.append(s)
+            positions.append(start_pos[s] + i + 1)
+            want.append(trajectories[s][i])
+    seqs.append(0)
+    positions.append(-1)  # padding
+    got = ssd_states_at(
+        inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["init_states"], inputs["cu_seqlens"],
+        inputs["start_pos"], scan, np.asarray(seqs, np.int32), np.asarray(positions, np.int32), window=chunk,
+    )
+    assert np.isfinite(np.asarray(got)).all()
+    assert_close(np.asarray(got)[:-1], np.stack(want))

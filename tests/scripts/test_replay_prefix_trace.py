@@ -56,17 +56,18 @@ def shared_prefix_trace(tmp_path: Path) -> Path:
     ])
 
 
-def test_hybrid_hits_only_where_a_checkpoint_was_left(shared_prefix_trace):
-    # Request 0 (50 tokens): a cold miss. Its prefill stops at 48, the prompt's last page
-    # boundary, leaving a checkpoint there; the 20 sampled tokens are computed but the last
-    # (50 + 19 = 69 tokens), so decoding crosses 64: pages 0-3 and a trailing checkpoint at 64.
-    # Request 1: pages 0-1 (tokens 0-31) match, page 2 holds other tokens; no checkpoint at 32,
-    # so it hits 0, and its prefill stops at that junction (32), leaving a checkpoint there.
-    # Request 2: pages 0-1 and the checkpoint at 32: hit 32.
-    # Request 3 (80 tokens, request 0's next turn): pages 0-3 and the checkpoint at 64: hit 64.
-    result = _run(shared_prefix_trace, HYBRID, "--budget-bytes", "1e9")
-    assert [r["hit_tokens"] for r in result["per_request"]] == [0, 0, 32, 64]
-    assert result["token_hit_rate"] == pytest.approx(96 / 230)
+@pytest.mark.parametrize("retention, hits", [("dense", [0, 32, 32, 64]), ("sparse", [0, 0, 32, 64])])
+def test_hybrid_hits_where_a_checkpoint_was_left(shared_prefix_trace, retention, hits):
+    # Request 0 (50 tokens): a cold miss. Its prefill leaves a candidate checkpoint at each
+    # page boundary (16, 32; dense only) and one at its prompt's last boundary (48); the 20
+    # sampled tokens are computed but the last (69 tokens), so decoding crosses 64.
+    # Request 1: pages 0-1 (tokens 0-31) match, page 2 holds other tokens. Dense: the candidate
+    # at 32 is a hit. Sparse: no checkpoint at 32, so it hits 0 and leaves one at that junction.
+    # Request 2: hit 32. Request 3 (80 tokens, request 0's next turn): the checkpoint at 64.
+    result = _run(shared_prefix_trace, HYBRID, "--budget-bytes", "1e9", "--retention", retention)
+    assert [r["hit_tokens"] for r in result["per_request"]] == hits
+    assert result["token_hit_rate"] == pytest.approx(sum(hits) / 230)
+    assert result["lost_tokens"] == (32 if retention == "sparse" else 0)
 
 
 def test_plain_transformer_hits_at_every_full_cached_page(shared_prefix_trace, llama_dir):
@@ -74,30 +75,37 @@ def test_plain_transformer_hits_at_every_full_cached_page(shared_prefix_trace, l
     # pages 0-1 (32 tokens); request 3 takes pages 0-3 (64 tokens).
     result = _run(shared_prefix_trace, llama_dir, "--budget-bytes", "1e9")
     assert [r["hit_tokens"] for r in result["per_request"]] == [0, 32, 32, 64]
-    assert result["ssm"]["snapshots_held"] == 0
+    assert result["ssm"]["checkpoints_held"] == 0
 
 
 def test_json_report_has_the_fields(shared_prefix_trace, tmp_path, capsys):
     out = tmp_path / "out.json"
     _run(shared_prefix_trace, HYBRID, "--budget-bytes", "1e9", "--retention", "every=64", "--json", str(out))
     report = json.loads(out.read_text())
-    assert {"requests", "input_tokens", "hit_tokens", "token_hit_rate", "kv", "ssm", "per_request", "settings"} <= set(report)
-    assert {"page_bytes", "budget_bytes", "budget_pages", "live_pages", "pages_held", "bytes_held", "evictions"} <= set(report["kv"])
-    assert {"checkpoint_bytes", "budget_bytes", "budget_snapshots", "live_slots", "snapshots_held", "bytes_held",
+    assert {"requests", "input_tokens", "hit_tokens", "token_hit_rate", "lost_tokens", "budget", "kv", "ssm",
+            "per_request", "settings"} <= set(report)
+    assert {"budget_bytes", "block_bytes", "budget_blocks", "live_blocks", "live_slots"} <= set(report["budget"])
+    assert {"page_bytes", "pages_held", "bytes_held", "evictions"} <= set(report["kv"])
+    assert {"checkpoint_bytes", "checkpoint_blocks", "checkpoints_held", "bytes_held", "written", "skipped",
             "evictions"} <= set(report["ssm"])
     # 2 layers * K and V * 16 tokens * 2 KV heads * 48 dims * 4 bytes; 4 layers * (6 heads * 64 * 64 * 4 + 512 * 4 * 4)
-    assert report["kv"]["page_bytes"] == 2 * 2 * 16 * 2 * 48 * 4
+    page = 2 * 2 * 16 * 2 * 48 * 4
+    assert report["kv"]["page_bytes"] == report["budget"]["block_bytes"] == page
     assert report["ssm"]["checkpoint_bytes"] == 4 * (6 * 64 * 64 * 4 + 512 * 4 * 4)
-    assert report["kv"]["bytes_held"] == report["kv"]["pages_held"] * report["kv"]["page_bytes"]
+    assert report["ssm"]["checkpoint_blocks"] == -(-report["ssm"]["checkpoint_bytes"] // page)
+    assert report["kv"]["bytes_held"] == report["kv"]["pages_held"] * page
+    assert report["ssm"]["bytes_held"] == report["ssm"]["checkpoints_held"] * report["ssm"]["checkpoint_blocks"] * page
     assert report["requests"] == 4 and report["input_tokens"] == 230
+    assert report["settings"]["retention_interval"] == 64
     assert "token hit rate: " in capsys.readouterr().out
 
 
-def test_kv_budget_is_applied_after_each_request(shared_prefix_trace):
+def test_one_budget_holds_pages_and_checkpoints(shared_prefix_trace):
     page = 2 * 2 * 16 * 2 * 48 * 4
-    result = _run(shared_prefix_trace, HYBRID, "--kv-budget-bytes", str(3 * page), "--ssm-budget-bytes", "1e9")
-    assert result["kv"]["budget_pages"] == 3 and result["kv"]["pages_held"] <= 3
-    assert result["kv"]["evictions"] > 0
+    result = _run(shared_prefix_trace, HYBRID, "--budget-bytes", str(40 * page))
+    held = result["kv"]["bytes_held"] + result["ssm"]["bytes_held"]
+    assert result["budget"]["budget_blocks"] == 40 and held <= 40 * page
+    assert result["ssm"]["evictions"] > 0 and result["ssm"]["checkpoints_held"] >= 1
 
 
 def test_a_trace_without_token_ids_is_refused(tmp_path):
@@ -109,16 +117,45 @@ def test_a_trace_without_token_ids_is_refused(tmp_path):
         _run(trace, HYBRID, "--budget-bytes", "1e9")
 
 
-def test_shared_system_prompt_hits_from_the_third_request(tmp_path, llama_dir):
-    # 200-token system prompt: 12 full pages (192). The second request stops its prefill at
-    # that junction, so the hybrid hits 192 from the third request on; the plain transformer
-    # from the second.
+def test_shared_system_prompt_hits_like_a_transformer(tmp_path, llama_dir):
+    # 200-token system prompt: 12 full pages (192). Dense: the first request left a candidate
+    # checkpoint at 192, so the hybrid hits from the second request on, like the plain
+    # transformer. Sparse: the second request leaves a junction checkpoint there, the third hits.
     trace = tmp_path / "system.jsonl"
     make_trace.main(["system-prompt", str(trace), "--system-tokens", "200", "--questions", "5"])
     hybrid = _run(trace, HYBRID, "--budget-bytes", "1e9")
-    assert [r["hit_tokens"] for r in hybrid["per_request"]] == [0, 0, 192, 192, 192]
+    assert [r["hit_tokens"] for r in hybrid["per_request"]] == [0, 192, 192, 192, 192]
+    sparse = _run(trace, HYBRID, "--budget-bytes", "1e9", "--retention", "sparse")
+    assert [r["hit_tokens"] for r in sparse["per_request"]] == [0, 0, 192, 192, 192]
     llama = _run(trace, llama_dir, "--budget-bytes", "1e9")
     assert [r["hit_tokens"] for r in llama["per_request"]] == [0, 192, 192, 192, 192]
+
+
+def test_few_shot_prompts_branch_inside_earlier_prompts(tmp_path):
+    trace = tmp_path / "shots.jsonl"
+    make_trace.main(["few-shot", str(trace), "--instruction-tokens", "32", "--families", "2", "--tasks-per-family", "2",
+                     "--family-tokens", "16", "--task-tokens", "16", "--requests", "30"])
+    requests = replay.load_trace(trace)
+    assert len(requests) == 30
+    instruction = requests[0].input_tokens[:32]
+    tasks = {}
+    for r in requests:
+        assert r.input_tokens[:32] == instruction
+        tasks.setdefault(r.session_id, r.input_tokens[:64])
+        assert r.input_tokens[:64] == tasks[r.session_id]
+    heads = {t[:48] for t in map(tuple, tasks.values())}
+    assert len(tasks) == 4 and len(heads) == 2  # two families of two tasks
+
+
+def test_conversations_can_keep_a_few_open_at_once(tmp_path):
+    trace = tmp_path / "conv.jsonl"
+    make_trace.main(["conversations", str(trace), "--conversations", "6", "--turns", "3", "--system-tokens", "0",
+                     "--first-message-tokens", "20", "20", "--max-active", "3"])
+    sessions = [r.session_id for r in replay.load_trace(trace)]
+    assert sessions[:3] == [0, 1, 2] and len(sessions) == 18
+    for k in range(1, 19):  # conversations started and not yet through their 3 turns
+        seen = sessions[:k]
+        assert sum(1 for c in set(seen) if seen.count(c) < 3) <= 3
 
 
 def test_conversation_turns_extend_the_previous_turn(tmp_path):

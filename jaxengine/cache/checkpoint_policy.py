@@ -1,0 +1,83 @@
+"""Which recurrent-state checkpoints a step writes, and what each is worth to the cache.
+
+A step that computes tokens `(start, end]` of a sequence can store the state after any page
+boundary in that span: the scan produces it (see `pallas_kernels/ssd/reference.py`,
+`ssd_states_at`). Two kinds of checkpoint come out of it:
+
+* *Edges*, written whenever there is room at their priority:
+    - the prompt end: the last page boundary of what the sequence prefills;
+    - a junction: where the request's prefix left the cached pages it matched beyond its
+      hit, i.e. where cached prefixes branch;
+    - trailing: each page boundary a decoding sequence reaches (the latest one is where the
+      next turn of a conversation resumes).
+  They carry the hit count the sequence inherited from the checkpoint it resumed from (1 for
+  a fresh prefix), so a conversation that keeps coming back keeps its latest state.
+* *Candidates* (hits 0) at the other page boundaries, per the retention interval (vLLM's
+  `prefix_cache_retention_interval`): `None` every page (dense), `0` none (sparse), `N` every
+  N tokens. They fill room nothing more valuable needs; a later request that diverges at
+  one of them hits there, which raises it to a used checkpoint.
+"""
+
+import enum
+
+from jaxengine.cache import reuse_model
+
+
+class Kind(enum.Enum):
+    """A checkpoint's kind; its value is the origin the eviction ranking learns per."""
+
+    CANDIDATE = reuse_model.JUNCTION  # used 0 times until a request diverges there
+    PROMPT = reuse_model.PROMPT
+    JUNCTION = reuse_model.JUNCTION + 16  # distinct member, same origin (see `origin`)
+    TRAILING = reuse_model.TRAILING
+
+    @property
+    def origin(self) -> int:
+        return self.value % 16
+
+
+DENSE = None  # prefix_cache_retention_interval: every page boundary
+SPARSE = 0  # edges only
+
+
+def validate_interval(interval: int | None, page_size: int) -> None:
+    """Raises ValueError unless `interval` is None, 0 or a positive multiple of the page size."""
+    if interval is None:
+        return
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0 or interval % page_size:
+        raise ValueError(
+            f"prefix_cache_retention_interval must be None (dense), 0 (sparse) or a positive multiple of "
+            f"page_size={page_size}, got {interval!r}"
+        )
+
+
+def describe_interval(interval: int | None) -> str:
+    if interval is DENSE:
+        return "dense (a checkpoint candidate at every page boundary)"
+    if interval == SPARSE:
+        return "sparse (prompt ends, junctions and decode boundaries only)"
+    return f"a checkpoint candidate every {interval} tokens"
+
+
+def plan(
+    start: int, end: int, *, page_size: int, interval: int | None, prefill_boundary: int, junction: int
+) -> list[tuple[int, Kind]]:
+    """The checkpoints a step over tokens `(start, end]` of one sequence may write, in order."""
+    out = []
+    first = (start // page_size + 1) * page_size
+    for pos in range(first, end + 1, page_size):
+        if pos == junction:
+            out.append((pos, Kind.JUNCTION))
+        elif pos == prefill_boundary:
+            out.append((pos, Kind.PROMPT))
+        elif pos > prefill_boundary:
+            out.append((pos, Kind.TRAILING))
+        elif interval is DENSE or (interval and pos % interval == 0):
+            out.append((pos, Kind.CANDIDATE))
+    return out
+
+
+def max_per_step(num_tokens: int, num_seqs: int, page_size: int) -> int:
+    """The most checkpoints one step of `num_tokens` tokens over `num_seqs` sequences plans:
+    a sequence's `n` tokens cross at most `n // page_size + 1` page boundaries."""
+    return num_tokens // page_size + num_seqs

@@ -1,0 +1,471 @@
+"""The prefix cache: full KV pages and recurrent-state checkpoints under one block budget.
+
+What it holds, all in blocks of one `BlockPool`:
+  * a *node* per full page of a cached prefix, named by the page's chained block hash
+    (`block_hash.py`): the page's KV block (none for a model without attention layers) and
+    a link to the node of the page before it, so the nodes form a tree of prefixes;
+  * *checkpoints*: the recurrent state (every recurrent layer's) after exactly the tokens of
+    a node's prefix, spanning `checkpoint_blocks` blocks.
+
+A *hit* is the longest prefix of a request whose pages are all cached and, for a model with
+recurrent layers, that has a checkpoint at exactly its end. The places a hit can end are the
+*hit points*: checkpoints, or every page for an attention-only model.
+
+Blocks held by running sequences are theirs; every other block is cache content, evicted
+when blocks are needed, in this order:
+  1. *dead pages* (models with recurrent layers): a page with no checkpoint at or below it in
+     the tree can never produce a hit. Leaves go first, least recently released first.
+  2. the hit point of lowest priority: a checkpoint, or a leaf page of an attention-only model.
+     When a checkpoint goes, the pages that only it made reachable become dead, so a cold
+     chain goes whole before the tails of other chains.
+
+Speculative checkpoints (used 0 times: dense candidates, and checkpoints superseded by a
+deeper one of the same conversation) form the lowest tier: they go first, oldest first, and
+a new one only ever displaces other speculative ones (or dead pages, or free blocks), so they
+fill room that used content does not need and never flood it. A request that diverges at
+one of them hits there, which makes it used.
+
+Used hit points are ranked by `reuse_model.ReuseModel`: expected saved compute per byte per
+request of waiting, learned online from when hit points of each class got reused. A new
+checkpoint only evicts content ranked at or below its own prospective rank.
+"""
+
+import collections
+import dataclasses
+import heapq
+import itertools
+from collections.abc import Callable
+
+from jaxengine.cache.block_pool import BlockPool
+from jaxengine.cache.reuse_model import JUNCTION, PAGE, TRAILING, ReuseModel, hit_class
+
+NO_FLOOR = (float("inf"), 0)  # running sequences' pages may evict any cache content
+SPECULATIVE = (-1.0, 0)  # the rank of every speculative hit point: below all used content
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+    """One full page of a cached prefix."""
+
+    block_hash: bytes
+    parent: "Node | None"
+    depth: int  # tokens from the start of the prefix to the end of this page
+    block: int  # its KV block; 0 for a model without attention layers
+    children: int = 0  # registered pages that continue this prefix
+    checkpoint: "Checkpoint | None" = None
+    checkpoints_below: int = 0  # checkpoints at this node or under it
+    # Use counts; ranked by them when pages are the hit points (attention-only models).
+    origin: int = PAGE
+    hits: int = 1
+    last_use: int = 0  # request clock
+    version: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class Checkpoint:
+    """The recurrent state after exactly `node.depth` tokens of `node`'s prefix."""
+
+    node: Node
+    blocks: list[int]
+    origin: int  # where it came from: `reuse_model.PROMPT`, `JUNCTION` or `TRAILING`
+    hits: int
+    last_use: int  # request clock
+    pins: int = 0  # steps about to read it
+    version: int = 0
+
+    @property
+    def depth(self) -> int:
+        return self.node.depth
+
+
+@dataclasses.dataclass
+class Match:
+    """A lookup's result: the hit, and how far cached pages reached beyond it."""
+
+    nodes: list[Node]  # the pages of the hit (empty for a model without attention layers)
+    hit_pages: int
+    reach_pages: int  # consecutive cached pages of the request's prefix, hit or not
+    checkpoint: Checkpoint | None  # where the hit resumes (models with recurrent layers)
+
+
+@dataclasses.dataclass
+class CacheCounters:
+    """Evictions and checkpoints since start."""
+
+    pages_evicted: int = 0
+    checkpoints_evicted: int = 0
+    checkpoints_written: int = 0
+    checkpoints_skipped: int = 0  # candidates not written: no room at their priority
+
+
+class PrefixCache:
+    """Cached pages and checkpoints over a block pool, with their eviction order.
+
+    `value(depth)` is what a hit at `depth` tokens saves per byte held (any unit);
+    `checkpoint_blocks` is 0 for a model without recurrent layers, `has_kv` False for a model
+    without attention layers (its nodes then hold no block)."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        page_size: int,
+        has_kv: bool,
+        checkpoint_blocks: int,
+        value: Callable[[int], float],
+        enabled: bool = True,
+    ):
+        self.pool = pool
+        self.page_size = page_size
+        self.has_kv = has_kv
+        self.checkpoint_blocks = checkpoint_blocks
+        self.value = value
+        self.enabled = enabled
+        self.nodes: dict[bytes, Node] = {}
+        self.node_of_block: dict[int, Node] = {}
+        self.checkpoints: dict[bytes, Checkpoint] = {}
+        self.pending: set[int] = set()  # blocks of checkpoints a step is writing
+        self.now = 0  # requests admitted: the clock hit-point ages are counted in
+        self.model = ReuseModel(max_ghosts=max(256, pool.num_blocks))
+        self.counters = CacheCounters()
+        # Dead leaves (no checkpoint at or below, no children, not held by a running sequence),
+        # least recently released first. Only kept for models with recurrent layers.
+        self._dead: collections.OrderedDict[Node, None] = collections.OrderedDict()
+        self._max_dead_nodes = 16 * pool.num_blocks  # block-less nodes free nothing; cap them
+        self._heap: list[tuple[tuple[float, int], int, int, Node | Checkpoint]] = []  # (rank, order, version, point)
+        self._heap_time = -1  # the clock its ranks were computed at
+        self._order = itertools.count()
+
+    @property
+    def recurrent(self) -> bool:
+        return self.checkpoint_blocks > 0
+
+    # ------------------------------------------------------------------ priorities
+
+    def rank(self, hit_point: Node | Checkpoint) -> tuple[float, int]:
+        """What keeping it is worth: expected saved compute per byte per request of waiting,
+        then its use count (more used wins a tie). Speculative hit points rank below all."""
+        if hit_point.hits == 0:
+            return SPECULATIVE
+        age = self.now - hit_point.last_use
+        cls = hit_class(hit_point.origin, hit_point.hits)
+        return self.model.density(cls, age) * self.value(hit_point.depth), hit_point.hits
+
+    def prospective_rank(self, depth: int, origin: int, hits: int) -> tuple[float, int]:
+        """The rank a checkpoint written now at `depth` would get."""
+        if hits == 0:
+            return SPECULATIVE
+        return self.model.density(hit_class(origin, hits), 0) * self.value(depth), hits
+
+    def _push(self, hit_point: Node | Checkpoint) -> None:
+        hit_point.version += 1
+        heapq.heappush(self._heap, (self.rank(hit_point), next(self._order), hit_point.version, hit_point))
+
+    def _refresh_ranks(self) -> None:
+        """Ranks move with age: recomputed once per clock tick, when eviction needs them."""
+        if self._heap_time == self.now:
+            return
+        self._heap_time = self.now
+        self._heap = []
+        if self.recurrent:
+            points: list = [c for c in self.checkpoints.values() if c.pins == 0]
+        else:
+            points = [n for n in self.nodes.values() if self._evictable(n)]
+        for hit_point in points:
+            self._push(hit_point)
+
+    def _evictable(self, hit_point: Node | Checkpoint) -> bool:
+        if isinstance(hit_point, Checkpoint):
+            return self.checkpoints.get(hit_point.node.block_hash) is hit_point and hit_point.pins == 0
+        return (self.nodes.get(hit_point.block_hash) is hit_point and hit_point.children == 0
+                and hit_point.block not in self.pool.ref_count)
+
+    def _lowest(self) -> Node | Checkpoint | None:
+        """The evictable hit point ranked lowest (stale heap entries are dropped)."""
+        while self._heap:
+            _, _, version, hit_point = self._heap[0]
+            if hit_point.version == version and self._evictable(hit_point):
+                return hit_point
+            heapq.heappop(self._heap)
+        return None
+
+    # ------------------------------------------------------------------ lookup and hits
+
+    def match(self, hashes: list[bytes]) -> Match:
+        """The longest hit among the prefixes named by `hashes` (nothing is taken)."""
+        if not self.enabled:
+            return Match([], 0, 0, None)
+        nodes = []
+        for h in hashes:
+            node = self.nodes.get(h)
+            if node is None:
+                break
+            nodes.append(node)
+        reach = len(nodes)
+        match = Match(nodes, reach, reach, None)
+        if self.recurrent:
+            match = Match([], 0, reach, None)
+            for j in range(reach, 0, -1):
+                ckpt = nodes[j - 1].checkpoint
+                if ckpt is not None:
+                    match = Match(nodes[:j] if self.has_kv else [], j, reach, ckpt)
+                    break
+        # A deeper hit point that was evicted: the model learns it was reused after all.
+        for h in reversed(hashes[match.hit_pages :]):
+            if self.model.ghost_hit(h, self.now):
+                break
+        return match
+
+    def acquire(self, match: Match) -> None:
+        """Takes the hit's pages for a running sequence and pins its checkpoint until the
+        sequence's first step has read it (`release` the pages, `unpin` the checkpoint)."""
+        for node in match.nodes:
+            self.pool.reference(node.block)
+            self._dead.pop(node, None)
+        if match.checkpoint is not None:
+            match.checkpoint.pins += 1
+            match.checkpoint.version += 1  # not evictable while pinned; re-queued by `unpin`
+
+    def record_hit(self, match: Match) -> tuple[int, bool]:
+        """Counts an admitted request (the clock) and its use of the hit. Returns the hit count
+        the sequence's own checkpoints and pages start with, and whether it *continues* the
+        hit: it resumes where an earlier sequence stopped decoding and nothing else continues
+        there (a conversation's next turn). Then it carries on the hit's count, else it starts
+        from 1 (a branch off a shared prefix is a new prefix)."""
+        self.now += 1
+        point = match.checkpoint if match.checkpoint is not None else (match.nodes[-1] if match.nodes else None)
+        if point is None:
+            return 1, False
+        self.model.reused(hit_class(point.origin, point.hits), self.now - point.last_use)
+        if point.hits == 0:
+            point.origin = point.origin if isinstance(point, Node) else JUNCTION  # a speculative one found its use
+        for p in [match.checkpoint] if match.checkpoint is not None else match.nodes:
+            p.hits += 1
+            p.last_use = self.now
+        node = point.node if isinstance(point, Checkpoint) else point
+        continues = node.children == 0 and (isinstance(point, Node) or point.origin == TRAILING)
+        return (point.hits if continues else 1), continues
+
+    def unpin(self, ckpt: Checkpoint) -> None:
+        ckpt.pins -= 1
+        if ckpt.pins == 0 and self.checkpoints.get(ckpt.node.block_hash) is ckpt:
+            self._push(ckpt)
+
+    def supersede(self, block_hash: bytes) -> None:
+        """A deeper checkpoint of the same sequence took over this one's use (a conversation
+        moved on): it keeps its place only as a speculative checkpoint (hits 0), unless
+        prefixes branch at it."""
+        ckpt = self.checkpoints.get(block_hash)
+        if ckpt is None or ckpt.node.children > 1 or ckpt.hits == 0:
+            return
+        ckpt.hits = 0
+        ckpt.last_use = self.now
+        if ckpt.pins == 0:
+            self._push(ckpt)
+        else:
+            ckpt.version += 1
+
+    # ------------------------------------------------------------------ blocks for running sequences
+
+    def allocate(self, n: int) -> list[int] | None:
+        """`n` blocks for a running sequence (referenced once), evicting any cache content
+        needed; None if even that cannot free enough."""
+        if not self._make_room(n, NO_FLOOR):
+            return None
+        blocks = self.pool.take(n)
+        for block in blocks:
+            self.pool.reference(block)
+        return blocks
+
+    def release(self, blocks: list[int]) -> None:
+        """A running sequence drops its blocks: registered pages stay cached, others are freed."""
+        for block in blocks:
+            if not self.pool.unreference(block):
+                continue
+            node = self.node_of_block.get(block)
+            if node is None:
+                self.pool.give_back([block])
+            elif self.recurrent:
+                self._maybe_dead(node)
+            elif node.children == 0:
+                self._push(node)
+
+    def register(self, block: int, block_hash: bytes, parent_hash: bytes | None, depth: int, hits: int) -> None:
+        """Records that a running sequence's page `block` (0 without attention layers) now
+        holds exactly the tokens of `block_hash`. If a dead cached page holds them already,
+        it is replaced by this one; if a live one does, this one stays private."""
+        if not self.enabled:
+            return
+        parent = self.nodes.get(parent_hash) if parent_hash is not None else None
+        if parent_hash is not None and parent is None:
+            return  # its prefix is no longer cached: this page could never be reached
+        node = self.nodes.get(block_hash)
+        if node is not None:
+            if block and block != node.block and node.checkpoints_below == 0 and node.block not in self.pool.ref_count:
+                self._dead.pop(node, None)
+                del self.node_of_block[node.block]
+                self.pool.give_back([node.block])
+                node.block = block
+                self.node_of_block[block] = node
+            return
+        node = Node(block_hash, parent, depth, block, hits=hits, last_use=self.now)
+        self.nodes[block_hash] = node
+        if block:
+            self.node_of_block[block] = node
+        if parent is not None:
+            parent.children += 1
+            self._dead.pop(parent, None)
+        if not block:
+            self._maybe_dead(node)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def reserve_checkpoint(self, depth: int, origin: int, hits: int) -> list[int] | None:
+        """Blocks for a checkpoint at `depth` that a step will write, or None when making
+        room would evict content ranked higher. Commit or cancel them."""
+        if not self.enabled or not self.recurrent:
+            return None
+        if not self._make_room(self.checkpoint_blocks, self.prospective_rank(depth, origin, hits)):
+            self.counters.checkpoints_skipped += 1
+            return None
+        blocks = self.pool.take(self.checkpoint_blocks)
+        self.pending.update(blocks)
+        return blocks
+
+    def cancel(self, blocks: list[int]) -> None:
+        """Gives back a reservation whose step did not run."""
+        self.pending.difference_update(blocks)
+        self.pool.give_back(blocks)
+
+    def commit(self, blocks: list[int], block_hash: bytes, origin: int, hits: int) -> Checkpoint | None:
+        """The step wrote `blocks`: they become the checkpoint of `block_hash`'s prefix (whose
+        page must be registered by now). If that prefix has one already, or its page could
+        not be registered, the blocks are freed."""
+        self.pending.difference_update(blocks)
+        node = self.nodes.get(block_hash)
+        if node is None or node.checkpoint is not None:
+            self.pool.give_back(blocks)
+            return None
+        ckpt = Checkpoint(node, blocks, origin, hits, self.now)
+        node.checkpoint = ckpt
+        self.checkpoints[block_hash] = ckpt
+        n = node
+        while n is not None:
+            n.checkpoints_below += 1
+            self._dead.pop(n, None)
+            n = n.parent
+        self.counters.checkpoints_written += 1
+        self._push(ckpt)
+        return ckpt
+
+    def _drop_checkpoint(self, ckpt: Checkpoint) -> None:
+        node = ckpt.node
+        del self.checkpoints[node.block_hash]
+        node.checkpoint = None
+        self.pool.give_back(ckpt.blocks)
+        n = node
+        while n is not None:
+            n.checkpoints_below -= 1
+            n = n.parent
+        self._maybe_dead(node)
+
+    # ------------------------------------------------------------------ eviction
+
+    def _is_dead(self, node: Node) -> bool:
+        return (self.recurrent and node.checkpoints_below == 0 and node.children == 0
+                and (not node.block or node.block not in self.pool.ref_count))
+
+    def _maybe_dead(self, node: Node) -> None:
+        if not self._is_dead(node):
+            return
+        self._dead[node] = None
+        self._dead.move_to_end(node)
+        if not self.has_kv and len(self._dead) > self._max_dead_nodes:
+            self._remove_node(next(iter(self._dead)))
+
+    def _remove_node(self, node: Node) -> None:
+        """Forgets a leaf page (dead, or an attention-only hit point) and frees its block."""
+        self._dead.pop(node, None)
+        del self.nodes[node.block_hash]
+        if node.block:
+            del self.node_of_block[node.block]
+            self.pool.give_back([node.block])
+        parent = node.parent
+        if parent is None:
+            return
+        parent.children -= 1
+        if self.recurrent:
+            self._maybe_dead(parent)
+        elif parent.children == 0 and parent.block not in self.pool.ref_count:
+            self._push(parent)
+
+    def _make_room(self, n: int, floor: tuple[float, int]) -> bool:
+        """Evicts until `n` blocks are free, taking hit points ranked <= `floor` only."""
+        while self.pool.num_free < n:
+            if self.has_kv and self._dead:
+                self._remove_node(next(iter(self._dead)))
+                self.counters.pages_evicted += 1
+                continue
+            self._refresh_ranks()
+            victim = self._lowest()
+            if victim is None or self._heap[0][0] > floor:
+                return False
+            heapq.heappop(self._heap)
+            self.model.died(victim.node.block_hash if isinstance(victim, Checkpoint) else victim.block_hash,
+                            hit_class(victim.origin, victim.hits), self.now - victim.last_use, self.now)
+            if isinstance(victim, Checkpoint):
+                self._drop_checkpoint(victim)
+                self.counters.checkpoints_evicted += 1
+            else:
+                self._remove_node(victim)
+                self.counters.pages_evicted += 1
+        return True
+
+    def trim(self, max_cached_blocks: int) -> None:
+        """Evicts until cache content holds at most `max_cached_blocks` blocks."""
+        excess = self.num_cached_blocks - max_cached_blocks
+        if excess > 0:
+            self._make_room(self.pool.num_free + excess, NO_FLOOR)
+
+    # ------------------------------------------------------------------ accounting
+
+    @property
+    def num_page_blocks(self) -> int:
+        """Cached pages no running sequence holds."""
+        return sum(1 for b in self.node_of_block if b not in self.pool.ref_count)
+
+    @property
+    def num_checkpoint_blocks(self) -> int:
+        return len(self.checkpoints) * self.checkpoint_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.num_page_blocks + self.num_checkpoint_blocks
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if the bookkeeping is inconsistent (used by tests)."""
+        pool = self.pool
+        free = pool.free_set()
+        ckpt_blocks = [b for c in self.checkpoints.values() for b in c.blocks]
+        node_blocks = set(self.node_of_block)
+        assert len(ckpt_blocks) == len(set(ckpt_blocks)), "a block is in two checkpoints"
+        groups = [free, set(ckpt_blocks), self.pending, node_blocks | set(pool.ref_count)]
+        assert sum(len(g) for g in groups) == len(set().union(*groups)), "a block is counted twice"
+        assert set().union(*groups) == set(range(1, pool.num_blocks)), "a block is lost or block 0 is in use"
+        assert all(len(c.blocks) == self.checkpoint_blocks for c in self.checkpoints.values())
+        children = collections.Counter(n.parent.block_hash for n in self.nodes.values() if n.parent is not None)
+        below = collections.Counter()
+        for ckpt in self.checkpoints.values():
+            assert ckpt.node.checkpoint is ckpt and ckpt.pins >= 0
+            n = ckpt.node
+            while n is not None:
+                assert self.nodes.get(n.block_hash) is n, "a checkpoint's page is gone"
+                assert not self.has_kv or n.block, "a checkpoint's page holds no block"
+                below[n.block_hash] += 1
+                n = n.parent
+        for h, node in self.nodes.items():
+            assert node.block_hash == h and (node.parent is None or self.nodes.get(node.parent.block_hash) is node.parent)
+            assert node.children == children[h], "a child count is off"
+            assert node.checkpoints_below == below[h], "a checkpoint count is off"
+            assert (node in self._dead) == self._is_dead(node), "the dead-page list is off"
+        assert all(self.nodes.get(n.block_hash) is n for n in self._dead)

@@ -1,0 +1,172 @@
+"""When cached hit points get reused, learned online: the prefix cache's eviction ranking.
+
+A hit point (a checkpoint, or a leaf page of an attention-only model) is worth keeping if it
+will be hit again soon and a hit saves much. The model estimates the first part from what the
+workload did so far, per *class* of hit point, as a function of its *age* (requests admitted
+since it was made or last used). A class is where the hit point came from (a page, a prompt
+end, a junction, a decode boundary) and how often it has been used (1, 2, 3 or more).
+Speculative checkpoints (used 0 times, class 0) are not modelled: the cache keeps them in a
+tier below all used content.
+
+    rank = P(reused | class, age) / E[requests until that reuse | class, age] * value(depth)
+
+`value(depth)` is the compute a hit saves per byte held (`hit_value.py`). This is the hit
+density of LHD (Beckmann, Chen & Cidon, NSDI 2018) with compute savings as the gain. It needs
+no constant from the user: a conversation trace whose turns come back ~30 requests apart
+teaches it that fresh chains are reused at age ~30 and never after, so it keeps the chains
+that are closest to their next turn and drops those past it (where LRU would evict exactly
+the chain needed next), while a workload that reuses what it just made teaches it to keep
+the youngest (LRU's choice).
+
+Reuses are counted at their age, evictions as deaths at theirs; an evicted hit point is
+remembered as a *ghost* for a while, and a request that would have hit it turns its death
+into a reuse at the age it would have had, so the model learns reuse distances beyond what
+the cache can hold. Counts halve as new events arrive, so the model follows a changing
+workload. Each class starts from one pseudo-reuse spread over all ages (LRU until data says
+otherwise), and ranks at least as high as a less used class of the same origin at the same
+age. Ties go by use count, then least recently pushed.
+"""
+
+import collections
+import dataclasses
+import math
+
+PAGE, PROMPT, JUNCTION, TRAILING = range(4)  # where a hit point came from
+HIT_LEVELS = 3  # used once, twice, three times or more
+NUM_CLASSES = 1 + 4 * HIT_LEVELS
+BINS_PER_OCTAVE = 4
+NUM_BINS = 1 + BINS_PER_OCTAVE * 32
+
+
+def age_bin(age: int) -> int:
+    """Ages on a log scale: bin 0 is age 0, then four bins per doubling."""
+    if age <= 0:
+        return 0
+    return min(NUM_BINS - 1, 1 + int(BINS_PER_OCTAVE * math.log2(age)))
+
+
+def hit_class(origin: int, hits: int) -> int:
+    """The class of a hit point of `origin` used `hits` times (0: speculative)."""
+    if hits <= 0:
+        return 0
+    return 1 + origin * HIT_LEVELS + min(hits, HIT_LEVELS) - 1
+
+
+def _less_used(cls: int) -> list[int]:
+    """The classes of the same origin used as often or less."""
+    if cls == 0:
+        return [0]
+    origin, level = divmod(cls - 1, HIT_LEVELS)
+    return [1 + origin * HIT_LEVELS + lv for lv in range(level + 1)]
+
+
+@dataclasses.dataclass
+class _Histogram:
+    reuses: list[float]
+    reuse_ages: list[float]  # sum of the ages of the reuses in each bin
+    deaths: list[float]
+
+    @classmethod
+    def empty(cls) -> "_Histogram":
+        return cls([0.0] * NUM_BINS, [0.0] * NUM_BINS, [0.0] * NUM_BINS)
+
+    @classmethod
+    def lru_prior(cls) -> "_Histogram":
+        """One pseudo-reuse spread evenly over ages 1, 2, 4, ... 2**20 (no scale preferred):
+        the expected wait grows with age, so until data says otherwise the youngest go last."""
+        h = cls.empty()
+        ages = [2**k for k in range(21)]
+        for age in ages:
+            h.reuses[age_bin(age)] += 1 / len(ages)
+            h.reuse_ages[age_bin(age)] += age / len(ages)
+        return h
+
+    def scale(self, factor: float) -> None:
+        for values in (self.reuses, self.reuse_ages, self.deaths):
+            for b in range(NUM_BINS):
+                values[b] *= factor
+
+
+class ReuseModel:
+    """Reuse and death counts per class and age bin, with ghost memory of evictions."""
+
+    def __init__(self, max_ghosts: int):
+        self.hist = [_Histogram.empty()] + [_Histogram.lru_prior() for _ in range(1, NUM_CLASSES)]
+        self._less_used = [_less_used(c) for c in range(NUM_CLASSES)]
+        self.max_ghosts = max_ghosts
+        # block hash -> (class, age at eviction, request clock at eviction)
+        self.ghosts: collections.OrderedDict[bytes, tuple[int, int, int]] = collections.OrderedDict()
+        self._events = 0.0
+        self._tables: list[tuple[list[float], list[float], list[float]]] | None = None
+
+    # ------------------------------------------------------------------ events
+
+    def reused(self, cls: int, age: int) -> None:
+        if cls == 0:
+            return
+        h = self.hist[cls]
+        h.reuses[age_bin(age)] += 1
+        h.reuse_ages[age_bin(age)] += age
+        self._event()
+
+    def died(self, block_hash: bytes, cls: int, age: int, now: int) -> None:
+        """A used hit point was evicted (speculative ones are not modelled)."""
+        if cls == 0:
+            return
+        self.hist[cls].deaths[age_bin(age)] += 1
+        self.ghosts[block_hash] = (cls, age, now)
+        self.ghosts.move_to_end(block_hash)
+        while len(self.ghosts) > self.max_ghosts:
+            self.ghosts.popitem(last=False)
+        self._event()
+
+    def ghost_hit(self, block_hash: bytes, now: int) -> bool:
+        """A request wanted an evicted hit point: its death becomes a reuse at the age it
+        would have had. True if `block_hash` was a ghost."""
+        ghost = self.ghosts.pop(block_hash, None)
+        if ghost is None:
+            return False
+        cls, age, evicted_at = ghost
+        h = self.hist[cls]
+        b = age_bin(age)
+        h.deaths[b] = max(0.0, h.deaths[b] - 1)
+        self.reused(cls, age + now - evicted_at)
+        return True
+
+    def _event(self) -> None:
+        self._tables = None
+        self._events += 1
+        # Halve the counts every so many events, so old behaviour fades.
+        if self._events >= max(256.0, 2.0 * self.max_ghosts):
+            for h in self.hist:
+                h.scale(0.5)
+            self._events = 0.0
+
+    # ------------------------------------------------------------------ ranking
+
+    def _suffix_tables(self) -> list[tuple[list[float], list[float], list[float]]]:
+        """Per class, suffix sums over bins >= b of reuses, reuse ages and deaths."""
+        if self._tables is None:
+            tables = []
+            for h in self.hist:
+                r, a, d = [0.0] * (NUM_BINS + 1), [0.0] * (NUM_BINS + 1), [0.0] * (NUM_BINS + 1)
+                for b in range(NUM_BINS - 1, -1, -1):
+                    r[b], a[b], d[b] = r[b + 1] + h.reuses[b], a[b + 1] + h.reuse_ages[b], d[b + 1] + h.deaths[b]
+                tables.append((r, a, d))
+            self._tables = tables
+        return self._tables
+
+    def density(self, cls: int, age: int) -> float:
+        """Expected reuses per request of waiting for a used hit point of `cls` at `age`; at
+        least that of a less used class of the same origin at the same age."""
+        return max(self._class_density(c, age) for c in self._less_used[cls])
+
+    def _class_density(self, cls: int, age: int) -> float:
+        r, a, d = self._suffix_tables()[cls]
+        b = age_bin(age)
+        reuses = r[b]
+        if reuses <= 0:
+            return 0.0
+        probability = reuses / (reuses + d[b])
+        wait = max(1.0, a[b] / reuses - age)
+        return probability / wait

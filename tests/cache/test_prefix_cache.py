@@ -1,0 +1,119 @@
+"""The prefix cache alone: lookup, the single block budget and the eviction order."""
+
+import pytest
+
+from jaxengine.cache.block_hash import extend_hashes, root_hash
+from jaxengine.cache.block_pool import BlockPool
+from jaxengine.cache.prefix_cache import PrefixCache
+from jaxengine.cache.reuse_model import JUNCTION, TRAILING
+
+PAGE = 2
+CKPT = 2  # blocks per checkpoint
+
+
+def _cache(num_blocks: int, *, recurrent: bool = True) -> PrefixCache:
+    return PrefixCache(BlockPool(num_blocks), page_size=PAGE, has_kv=True, checkpoint_blocks=CKPT if recurrent else 0,
+                       value=lambda depth: float(depth))
+
+
+def _store(cache: PrefixCache, tokens: list[int], checkpoint_at: list[int], hits: int = 1) -> list[bytes]:
+    """Registers `tokens`' full pages as a finished sequence leaves them, with checkpoints
+    (of `hits`) after the given numbers of tokens; returns the page hashes."""
+    hashes = extend_hashes([], tokens, PAGE, root_hash(None))
+    blocks = cache.allocate(len(hashes))
+    for i, (block, h) in enumerate(zip(blocks, hashes)):
+        cache.register(block, h, hashes[i - 1] if i else None, (i + 1) * PAGE, 1)
+    for depth in checkpoint_at:
+        ckpt_blocks = cache.reserve_checkpoint(depth, TRAILING, hits)
+        assert ckpt_blocks is not None
+        cache.commit(ckpt_blocks, hashes[depth // PAGE - 1], TRAILING, hits)
+    cache.release(blocks)
+    cache.check_invariants()
+    return hashes
+
+
+def test_a_hit_needs_all_pages_and_a_checkpoint_at_its_end():
+    cache = _cache(40)
+    hashes = _store(cache, list(range(12)), [4, 10])
+    match = cache.match(hashes[:4])  # 8 tokens cached, checkpoints at 4 and 10
+    assert (match.hit_pages, match.reach_pages) == (2, 4) and match.checkpoint.depth == 4
+    assert [n.block_hash for n in match.nodes] == hashes[:2]
+    assert cache.match(hashes).hit_pages == 5
+    other = extend_hashes([], list(range(12)), PAGE, root_hash("salt"))
+    assert cache.match(other).reach_pages == 0
+
+
+def test_attention_only_hits_every_cached_page():
+    cache = _cache(40, recurrent=False)
+    hashes = _store(cache, list(range(12)), [])
+    assert cache.match(hashes[:4]).hit_pages == 4
+
+
+def test_dead_pages_go_first_then_the_lowest_ranked_checkpoint_with_its_pages():
+    """Pages past the deepest checkpoint of a path can never be hit, so they go before any
+    checkpoint; evicting a checkpoint makes the pages only it used dead, and they go next."""
+    cache = _cache(1 + 12 + 2 * CKPT)
+    a = _store(cache, [1] * 12, [4])  # 6 pages, 2 of them (4..7) below the checkpoint, 4 past it
+    b = _store(cache, [2] * 12, [12])
+    assert cache.pool.num_free == 0
+    cache.allocate(4)  # the 4 dead pages of `a`
+    assert cache.match(a[:2]).hit_pages == 2 and len(cache.checkpoints) == 2
+    cache.allocate(4)  # next a checkpoint (a's: shallower, ranked lower), then a's pages with it
+    assert cache.match(a).reach_pages == 0 and cache.match(b).hit_pages == 6
+    cache.check_invariants()
+
+
+def test_a_speculative_checkpoint_only_displaces_speculative_ones():
+    cache = _cache(1 + 6 + 2 * CKPT)
+    used = _store(cache, [1] * 6, [6])
+    _store(cache, [2] * 6, [6], hits=0)  # speculative
+    assert cache.pool.num_free == 0
+    reserved = []
+    while (blocks := cache.reserve_checkpoint(4, JUNCTION, 0)) is not None:
+        reserved.append(blocks)  # the speculative checkpoint's blocks, then its dead pages
+    assert len(reserved) == 2 and cache.counters.checkpoints_skipped == 1
+    assert list(cache.checkpoints) == [used[-1]] and cache.match(used).hit_pages == 3
+    for blocks in reserved:
+        cache.cancel(blocks)
+    cache.check_invariants()
+
+
+def test_running_sequences_can_take_every_cached_block():
+    cache = _cache(1 + 6 + CKPT)
+    _store(cache, [1] * 12, [12])
+    assert cache.pool.num_free == 0
+    assert cache.allocate(8) is not None and not cache.checkpoints and not cache.nodes
+    assert cache.allocate(1) is None
+
+
+def test_a_pinned_checkpoint_is_not_evicted():
+    cache = _cache(1 + 6 + CKPT)
+    hashes = _store(cache, [1] * 12, [12])
+    match = cache.match(hashes[:5])
+    cache.acquire(match)  # pins the checkpoint at 10? no: the deepest at or below 10 tokens
+    assert match.checkpoint is None and match.hit_pages == 0
+    match = cache.match(hashes)
+    cache.acquire(match)
+    assert cache.allocate(1) is None  # everything is held or pinned
+    cache.release([n.block for n in match.nodes])
+    cache.unpin(match.checkpoint)
+    assert cache.allocate(1) is not None
+
+
+def test_a_dead_cached_page_is_replaced_by_a_running_sequences_copy():
+    cache = _cache(20)
+    hashes = _store(cache, [1] * 4, [])  # 2 pages, no checkpoint: dead
+    block = cache.allocate(1)[0]
+    cache.register(block, hashes[0], None, PAGE, 1)
+    assert cache.nodes[hashes[0]].block == block
+    cache.check_invariants()
+
+
+def test_double_release_is_refused():
+    cache = _cache(5)
+    blocks = cache.allocate(2)
+    cache.release(blocks)
+    with pytest.raises(RuntimeError, match="not referenced"):
+        cache.release(blocks[:1])
+    with pytest.raises(ValueError, match="at least 2"):
+        BlockPool(1)
