@@ -11,7 +11,9 @@ Builds three traces with `make_prefix_trace.py` (seed 0):
   few-shot       a 256-token instruction, 4 families x 4 tasks of 256 + 256 example tokens,
                  200 requests picking a task at random.
 and replays each through `replay_prefix_trace.py` at every budget with retention `dense`
-(the default), `sparse` and `every=256`, KV and states in bfloat16. With `--marconi-dir`
+(the default), `sparse` and `every=256`, KV in bfloat16, SSM states in `--state-dtype`
+(bfloat16 by default, as Marconi counts them; the engine's checkpoints keep float32
+precision, twice the bytes). With `--marconi-dir`
 (a checkout of github.com/ruipeterpan/marconi; it needs scipy and transformers) the same
 traces and budgets also run through Marconi's simulator: V1 (SGLang+, LRU), V2 (Marconi:
 alpha tuned online on a bootstrap window) and the best static alpha over 0, 0.1, ..., 2 (V3,
@@ -43,10 +45,10 @@ RETENTIONS = ("dense", "sparse", "every=256")
 ALPHAS = [round(0.1 * i, 1) for i in range(21)]
 
 
-def ours(trace: Path, model_config: Path, budget: float, retention: str) -> float:
+def ours(trace: Path, model_config: Path, budget: float, retention: str, state_dtype: str) -> float:
     with contextlib.redirect_stdout(io.StringIO()):
         result = replay_prefix_trace.main([str(trace), "--model-config", str(model_config), "--budget-bytes",
-                                           str(budget), "--kv-dtype", "bfloat16", "--state-dtype", "bfloat16",
+                                           str(budget), "--kv-dtype", "bfloat16", "--state-dtype", state_dtype,
                                            "--retention", retention])
     return result["token_hit_rate"]
 
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budgets-gb", type=float, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--model-config", type=Path,
                         default=Path(__file__).parent.parent / "configs" / "models" / "nemotron-h-7b-shape")
+    parser.add_argument("--state-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="SSM states in checkpoints (bfloat16 as Marconi counts them; the engine keeps float32)")
     parser.add_argument("--out-dir", type=Path, default=Path("bench_replay"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
             make_prefix_trace.main([spec[0], str(path), *spec[1:]])
         trace = [json.loads(line) for line in path.read_text().splitlines()]
         for gb in args.budgets_gb:
-            row = {f"ours {r}": ours(path, args.model_config, gb * 1e9, r) for r in RETENTIONS}
+            row = {f"ours {r}": ours(path, args.model_config, gb * 1e9, r, args.state_dtype) for r in RETENTIONS}
             if radix_cache is not None:
                 start = time.perf_counter()
                 row["Marconi V1 (LRU)"] = marconi(radix_cache, trace, gb * 1e9, 1, 0.0)

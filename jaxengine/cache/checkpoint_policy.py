@@ -24,16 +24,24 @@ from jaxengine.cache import reuse_model
 
 
 class Kind(enum.Enum):
-    """A checkpoint's kind; its value is the origin the eviction ranking learns per."""
-
-    CANDIDATE = reuse_model.JUNCTION  # used 0 times until a request diverges there
-    PROMPT = reuse_model.PROMPT
-    JUNCTION = reuse_model.JUNCTION + 16  # distinct member, same origin (see `origin`)
-    TRAILING = reuse_model.TRAILING
+    CANDIDATE = "candidate"
+    PROMPT = "prompt"
+    JUNCTION = "junction"
+    TRAILING = "trailing"
 
     @property
     def origin(self) -> int:
-        return self.value % 16
+        """The origin the eviction ranking learns reuse per (`reuse_model`): a candidate
+        that a request hits has turned out to be where prefixes branch, like a junction."""
+        return _ORIGINS[self]
+
+
+_ORIGINS = {
+    Kind.CANDIDATE: reuse_model.JUNCTION,
+    Kind.PROMPT: reuse_model.PROMPT,
+    Kind.JUNCTION: reuse_model.JUNCTION,
+    Kind.TRAILING: reuse_model.TRAILING,
+}
 
 
 DENSE = None  # prefix_cache_retention_interval: every page boundary

@@ -15,19 +15,18 @@ Blocks held by running sequences are theirs; every other block is cache content,
 when blocks are needed, in this order:
   1. *dead pages* (models with recurrent layers): a page with no checkpoint at or below it in
      the tree can never produce a hit. Leaves go first, least recently released first.
-  2. the hit point of lowest priority: a checkpoint, or a leaf page of an attention-only model.
-     When a checkpoint goes, the pages that only it made reachable become dead, so a cold
-     chain goes whole before the tails of other chains.
+  2. *speculative* checkpoints (used 0 times: dense candidates, and checkpoints superseded by
+     a deeper one of the same conversation), oldest first.
+  3. used hit points (checkpoints, or leaf pages of an attention-only model), lowest rank
+     first, ranked by `reuse_model.ReuseModel`: expected saved compute per byte per request
+     of waiting, learned online from when hit points of each kind got reused.
+When a checkpoint goes, the pages that only it made reachable become dead, so a cold chain
+goes whole before the tails of other chains.
 
-Speculative checkpoints (used 0 times: dense candidates, and checkpoints superseded by a
-deeper one of the same conversation) form the lowest tier: they go first, oldest first, and
-a new one only ever displaces other speculative ones (or dead pages, or free blocks), so they
-fill room that used content does not need and never flood it. A request that diverges at
-one of them hits there, which makes it used.
-
-Used hit points are ranked by `reuse_model.ReuseModel`: expected saved compute per byte per
-request of waiting, learned online from when hit points of each class got reused. A new
-checkpoint only evicts content ranked at or below its own prospective rank.
+A new checkpoint only evicts content ranked at or below its own prospective rank: a
+speculative one only ever displaces speculative ones (or dead pages, or free blocks), so
+dense candidates fill room that used content does not need and never flood it. A request
+that diverges at one of them hits there, which makes it used.
 """
 
 import collections
@@ -95,7 +94,7 @@ class CacheCounters:
     pages_evicted: int = 0
     checkpoints_evicted: int = 0
     checkpoints_written: int = 0
-    checkpoints_skipped: int = 0  # candidates not written: no room at their priority
+    checkpoints_skipped: int = 0  # not written: no room at their rank
 
 
 class PrefixCache:
@@ -237,8 +236,8 @@ class PrefixCache:
         if point is None:
             return 1, False
         self.model.reused(hit_class(point.origin, point.hits), self.now - point.last_use)
-        if point.hits == 0:
-            point.origin = point.origin if isinstance(point, Node) else JUNCTION  # a speculative one found its use
+        if point.hits == 0 and isinstance(point, Checkpoint):
+            point.origin = JUNCTION  # a speculative checkpoint found its use: prefixes branch there
         for p in [match.checkpoint] if match.checkpoint is not None else match.nodes:
             p.hits += 1
             p.last_use = self.now
@@ -322,7 +321,7 @@ class PrefixCache:
 
     def reserve_checkpoint(self, depth: int, origin: int, hits: int) -> list[int] | None:
         """Blocks for a checkpoint at `depth` that a step will write, or None when making
-        room would evict content ranked higher. Commit or cancel them."""
+        room would evict content ranked higher than it. Commit or cancel them."""
         if not self.enabled or not self.recurrent:
             return None
         if not self._make_room(self.checkpoint_blocks, self.prospective_rank(depth, origin, hits)):

@@ -2,7 +2,10 @@
 
 Shapes come from a small set of buckets so the step compiles once per bucket pair:
 token buckets `T` (16, 32, ... up to and including `max_num_batched_tokens`) and sequence
-buckets `S`. A decode step (one token per sequence) uses `T == S`.
+buckets `S`. A decode step (one token per sequence) uses `T == S`. The checkpoints a step can
+store are part of its shape: a mixed step always has room for all it may plan; a decode step
+stores at most one per sequence, and most store none, so decode shapes come in save buckets
+(0, 1, 4, ... up to S) and a step pays only for the saves it has.
 """
 
 import dataclasses
@@ -53,20 +56,12 @@ class Shape:
     num_tokens: int
     num_seqs: int
     decode: bool
+    num_saves: int = 0  # checkpoints the step can store
 
 
-def step_shapes(token_b: tuple[int, ...], seq_b: tuple[int, ...]) -> list[Shape]:
-    """Every shape a run can hit: mixed steps for each (T, S) pair that some batch can fill
-    (at least one token per sequence), and decode steps for each S."""
-    shapes = []
-    for t in token_b:
-        for i, s in enumerate(seq_b):
-            fewest_seqs = seq_b[i - 1] + 1 if i else 1
-            if fewest_seqs <= t:
-                shapes.append(Shape(t, s, decode=False))
-    shapes.extend(Shape(s, s, decode=True) for s in seq_b)
-    return shapes
-
+def save_buckets(num_seqs: int) -> tuple[int, ...]:
+    """0, then powers of four below `num_seqs`, then `num_seqs`: a decode step's save room."""
+    return (0, *seq_buckets(num_seqs))
 
 class BatchBuilder:
     """Builds `StepBatch` and `SamplingBatch` arrays for scheduled steps."""
@@ -91,19 +86,32 @@ class BatchBuilder:
         self.blocks_per_checkpoint = blocks_per_checkpoint  # 0: no recurrent layers
         self.saves_checkpoints = saves_checkpoints  # prefix caching on a model with recurrent layers
 
-    def num_saves(self, shape: Shape) -> int:
-        """Checkpoints one step of `shape` can store (see `checkpoint_policy.max_per_step`)."""
+    def _mixed_saves(self, num_tokens: int, num_seqs: int) -> int:
         if not self.saves_checkpoints:
             return 0
-        if shape.decode:
-            return shape.num_seqs
-        return checkpoint_policy.max_per_step(shape.num_tokens, shape.num_seqs, self.page_size)
+        return checkpoint_policy.max_per_step(num_tokens, num_seqs, self.page_size)
+
+    def shapes(self) -> list[Shape]:
+        """Every shape a run can hit: mixed steps for each (T, S) pair that some batch can fill
+        (at least one token per sequence), and decode steps for each S and save bucket."""
+        token_b, seq_b = self.token_buckets, self.seq_buckets
+        shapes = []
+        for t in token_b:
+            for i, s in enumerate(seq_b):
+                fewest_seqs = seq_b[i - 1] + 1 if i else 1
+                if fewest_seqs <= t:
+                    shapes.append(Shape(t, s, decode=False, num_saves=self._mixed_saves(t, s)))
+        for s in seq_b:
+            for c in save_buckets(s) if self.saves_checkpoints else (0,):
+                shapes.append(Shape(s, s, decode=True, num_saves=c))
+        return shapes
 
     def shape_of(self, step: ScheduledStep) -> Shape:
         s = _fit(len(step.seqs), self.seq_buckets)
         if step.is_decode:
-            return Shape(s, s, decode=True)
-        return Shape(_fit(step.total_tokens, self.token_buckets), s, decode=False)
+            return Shape(s, s, decode=True, num_saves=_fit(len(step.saves), save_buckets(s)))
+        t = _fit(step.total_tokens, self.token_buckets)
+        return Shape(t, s, decode=False, num_saves=self._mixed_saves(t, s))
 
     def empty(self, shape: Shape) -> tuple[StepBatch, SamplingBatch]:
         """An all-padding batch of `shape` (used for warm-up): touches only the null sinks."""
@@ -164,7 +172,7 @@ class BatchBuilder:
         restore = np.zeros((s_size, nb), np.int32)
         for i, blocks in step.restores:
             restore[i] = blocks
-        num_saves = self.num_saves(shape)
+        num_saves = shape.num_saves
         if len(step.saves) > num_saves:
             raise RuntimeError(f"{len(step.saves)} checkpoint saves exceed the step's {num_saves}")
         save_seq = np.zeros(num_saves, np.int32)

@@ -14,7 +14,7 @@ from jaxengine.cache.block_pool import BlockPool
 from jaxengine.cache.hit_value import ModelCosts
 from jaxengine.cache.live_slots import LiveSlots
 from jaxengine.cache.prefix_cache import PrefixCache
-from jaxengine.engine.batch_builder import BatchBuilder, Shape, step_shapes
+from jaxengine.engine.batch_builder import BatchBuilder, Shape
 from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.outputs import RequestMetrics, RequestOutput
 from jaxengine.engine.pools import store_layout
@@ -78,7 +78,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             page_size=config.page_size,
             eos_token_ids=cfg.eos_token_ids,
-            blocks_per_checkpoint=blocks_per_checkpoint,
+            blocks_per_checkpoint=blocks_per_checkpoint if caching else 0,  # no hits to read without caching
             saves_checkpoints=caching and blocks_per_checkpoint > 0,
         )
         if caching and cfg.num_mamba_layers:
@@ -108,7 +108,7 @@ class LLMEngine:
 
     def shapes(self) -> list[Shape]:
         """Every step shape this engine can run."""
-        return step_shapes(self.builder.token_buckets, self.builder.seq_buckets)
+        return self.builder.shapes()
 
     def warm_up(self, progress: Callable[[], None] | None = None) -> None:
         """Compiles every step shape before the first request (from the persistent cache
@@ -295,7 +295,7 @@ class LLMEngine:
             for n in chunk_sizes:
                 if not sched.grow_pages(seq, seq.num_computed + n):
                     raise ValueError(f"prompt of {len(token_ids)} tokens does not fit in the KV pool")
-                shape = Shape(max(16, 1 << (n - 1).bit_length()), 1, decode=False)
+                shape = Shape(max(16, 1 << (n - 1).bit_length()), 1, decode=False)  # no saves
                 batch, _ = self.builder.build(ScheduledStep([seq], [n]), shape)
                 rows.append(np.asarray(self.runner.logits(batch, all_logits=True))[:n])
                 seq.num_computed += n

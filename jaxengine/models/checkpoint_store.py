@@ -129,8 +129,9 @@ def checkpoint_layout(
     unit_elems = math.prod(unit_shape)
     layer_units = math.ceil(recurrent_unit_elems(cfg, store_dtype) / unit_elems)
     num_layers = cfg.num_mamba_layers
-    # Few layers over many arrays: split each layer so every array gets a share.
-    split = max(1, min(layer_units, num_arrays // num_layers))
+    # Split each layer into just enough pieces that they spread evenly over the arrays (6
+    # layers over 4 arrays: halves; 1 layer over 8 arrays: eighths; 24 over 8: whole layers).
+    split = max(1, min(layer_units, num_arrays // math.gcd(num_layers, num_arrays)))
     filled = [0] * num_arrays  # blocks used so far in each array
     layers = []
     for _ in range(num_layers):

@@ -80,7 +80,8 @@ class HybridLM(nnx.Module):
                 out, store[k], store[v] = layer.attention(layer.mixer_norm(h), store[k], store[v], batch, layout, ops)
                 attn_i += 1
             elif layer.spec.mixer == "mamba":
-                restored = None if decode else ckpts.read(store, batch.restore_blocks, mamba_i)
+                reads = not decode and batch.restore_blocks.shape[1] > 0  # decode steps never start from a hit
+                restored = ckpts.read(store, batch.restore_blocks, mamba_i) if reads else None
                 out, conv_states[mamba_i], ssm_states[mamba_i], saved = layer.mamba(
                     layer.mixer_norm(h), conv_states[mamba_i], ssm_states[mamba_i], batch, layout, ops, decode, restored
                 )

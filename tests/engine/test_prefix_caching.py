@@ -135,3 +135,13 @@ def test_bad_retention_interval_is_refused(tmp_path, bad):
     save_tiny_model("bamba", tmp_path)
     with pytest.raises(ValueError, match="prefix_cache_retention_interval"):
         LLM(tmp_path, **ARGS, prefix_cache_retention_interval=bad)
+
+
+def test_the_resolved_retention_is_logged_at_start(tmp_path, caplog):
+    save_tiny_model("bamba", tmp_path)
+    with caplog.at_level("INFO", logger="jaxengine"):
+        LLM(tmp_path, **ARGS)
+        LLM(tmp_path, **ARGS, prefix_cache_retention_interval=0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxengine"]
+    assert "prefix_cache_retention_interval=None, the default for models with recurrent layers" in lines[0]
+    assert "sparse" in lines[1] and "as given" in lines[1]

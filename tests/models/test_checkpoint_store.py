@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxengine.engine.pools import store_layout
+from jaxengine.models.checkpoint_store import checkpoint_layout
 from jaxengine.models.config import load_model_config
 from tests.models.tiny_models import save_tiny_model
 
@@ -56,3 +57,19 @@ def test_pieces_tile_the_checkpoint_without_overlap(tmp_path, arch):
     assert all(0 <= b < layout.blocks_per_checkpoint and 0 <= a < layout.num_arrays for a, b in cells)
     # Spread evenly: no more blocks than the units need, rounded up per array.
     assert layout.blocks_per_checkpoint <= -(-len(cells) // layout.num_arrays) + len(layout.layers)
+
+
+@pytest.mark.parametrize("num_layers, num_arrays", [(6, 4), (24, 8), (1, 8), (2, 2), (5, 3)])
+def test_layers_spread_evenly_over_the_arrays(num_layers, num_arrays):
+    """A checkpoint takes the blocks its units need, rounded up over the arrays: layers are
+    split where whole layers would leave arrays unevenly filled (each test layer is 3 units)."""
+
+    class Cfg:  # the fields checkpoint_layout reads
+        num_mamba_layers = num_layers
+
+        class mamba:
+            conv_dim, conv_kernel, num_heads, head_dim, state_size = 16, 4, 4, 4, 8  # 64 + 128 elements
+
+    layout = checkpoint_layout(Cfg, (64,), jnp.float32, num_arrays)
+    units = 3 * num_layers
+    assert layout.blocks_per_checkpoint == -(-units // num_arrays)
