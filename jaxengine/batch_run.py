@@ -1,7 +1,10 @@
 """`jaxengine run CONFIG.yaml`: a whole batch job from a validated config."""
 
 import json
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -15,8 +18,59 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def check_writable(*paths: Path) -> None:
+    """Raises ConfigError unless each path can be written (its directory made if need be),
+    before a job spends any time."""
+    for path in paths:
+        if path.is_dir():
+            raise ConfigError(f"{path}: is a directory, not an output file")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            probe = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=True)
+            probe.close()
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot be written ({err.strerror or err})") from None
+
+
+def write_together(contents: dict[Path, str]) -> None:
+    """Writes the files so that a failure leaves all of them new or all of them as they were
+    (never new outputs next to stale metrics): each is written to a temporary file beside it,
+    the old ones are moved aside, the new ones renamed into place; on any error the old ones
+    come back."""
+    temporaries: dict[Path, str] = {}
+    moved_aside: dict[Path, str] = {}
+    placed: list[Path] = []
+    try:
+        for path, text in contents.items():
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            temporaries[path] = tmp
+        for path in contents:
+            if path.exists():
+                aside = str(path.with_name(f".{path.name}.old.{os.getpid()}"))
+                os.replace(path, aside)
+                moved_aside[path] = aside
+        for path, tmp in temporaries.items():
+            os.replace(tmp, path)
+            placed.append(path)
+    except BaseException:
+        for path in placed:
+            if path not in moved_aside:
+                os.unlink(path)
+        for path, aside in moved_aside.items():
+            os.replace(aside, path)
+        moved_aside.clear()
+        raise
+    finally:
+        for leftover in [*temporaries.values(), *moved_aside.values()]:
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+
+
 def run_batch(cfg: RunConfig) -> dict:
     """Runs every request of the config's input, writes outputs and metrics; returns the metrics."""
+    check_writable(cfg.output, cfg.metrics)
     requests = load_requests(cfg)
     engine_args = {k: v for k, v in vars(cfg.engine).items() if k not in ("dtype", "warm_up")}
     start = time.perf_counter()
@@ -36,13 +90,9 @@ def run_batch(cfg: RunConfig) -> dict:
     outputs = llm.generate(prompts, [r.params for r in requests], use_tqdm=cfg.progress)
     wall = time.perf_counter() - start
 
-    cfg.output.parent.mkdir(parents=True, exist_ok=True)
-    with cfg.output.open("w") as f:
-        for r, out in zip(requests, outputs):
-            f.write(json.dumps(_output_record(r.id, out)) + "\n")
+    records = "".join(json.dumps(_output_record(r.id, out)) + "\n" for r, out in zip(requests, outputs))
     metrics = _metrics(cfg, llm, outputs, wall, load_and_compile)
-    cfg.metrics.parent.mkdir(parents=True, exist_ok=True)
-    cfg.metrics.write_text(json.dumps(metrics, indent=2) + "\n")
+    write_together({cfg.output: records, cfg.metrics: json.dumps(metrics, indent=2) + "\n"})
     return metrics
 
 

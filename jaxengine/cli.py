@@ -88,8 +88,12 @@ def main(argv: list[str] | None = None) -> None:
     _show_engine_log()
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except KeyboardInterrupt:
+        sys.exit("jaxengine: interrupted")
+    except (ValueError, OSError) as err:  # bad input, unreadable or unwritable files
         sys.exit(f"jaxengine: error: {err}")
+    except Exception as err:  # anything else, still one line
+        sys.exit(f"jaxengine: error: {type(err).__name__}: {err}")
 
 
 if __name__ == "__main__":

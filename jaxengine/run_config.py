@@ -132,7 +132,7 @@ def load_run_config(path: str | Path) -> RunConfig:
         raise ConfigError(f"{path}: {err}") from err
     sampling = _typed(SamplingParams, raw.get("sampling"), f"{path}: sampling")
     try:
-        sampling.validate(f"{path}: sampling")
+        sampling.validate(f"{path}: sampling", max_logprobs=engine.max_logprobs)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     progress = raw.get("progress", True)
@@ -159,6 +159,10 @@ def load_requests(cfg: RunConfig) -> list[RunRequest]:
         prompt = item.get("prompt", item.get("prompt_token_ids"))
         overrides = {k: v for k, v in item.items() if k not in REQUEST_KEYS}
         params = _typed(SamplingParams, {**dataclasses.asdict(cfg.sampling), **overrides}, where)
+        try:
+            params.validate(where, max_logprobs=cfg.engine.max_logprobs)
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
         salt = item.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ConfigError(f"{where}: cache_salt must be a string, got {salt!r}")

@@ -74,8 +74,10 @@ def test_the_default_config_is_valid(monkeypatch):
         ({"engine": {"max_num_seq": 8}}, r"engine: unknown key 'max_num_seq'"),
         ({"engine": {"ssm_retention": "dense"}}, r"engine: key 'ssm_retention' was replaced by prefix_cache_retention_interval"),
         ({"engine": {"prefix_cache_retention_interval": 6}}, r"prefix_cache_retention_interval must be None"),
-        ({"sampling": {"top_p": 1.5}}, r"SamplingParams.top_p must be in \(0, 1\]"),
+        ({"sampling": {"top_p": 1.5}}, r"SamplingParams.top_p must be a finite number in \(0, 1\]"),
         ({"sampling": {"temprature": 0.5}}, r"sampling: unknown key 'temprature'"),
+        ({"sampling": {"temperature": float("nan")}}, r"SamplingParams.temperature must be a finite number"),
+        ({"sampling": {"seed": 2**64}}, r"SamplingParams.seed must be an integer"),
         ({"model": "/no/such/model"}, r"model: /no/such/model is not a model directory"),
         ({"input": "/no/such/prompts.jsonl"}, r"input: file /no/such/prompts.jsonl does not exist"),
         ({"progress": "yes"}, r"progress must be true or false"),
@@ -92,6 +94,7 @@ def test_config_errors_name_the_key(tmp_path, change, match):
         ({"id": "q", "prompt": "x", "max_token": 3}, r"prompts.jsonl:1: unknown key 'max_token'"),
         ({"id": "q"}, r"prompts.jsonl:1: give exactly one of 'prompt' or 'prompt_token_ids'"),
         ({"id": "q", "prompt": "x", "temperature": "hot"}, r"prompts.jsonl:1.temperature: expected"),
+        ({"id": "q", "prompt": "x", "repetition_penalty": float("nan")}, r"repetition_penalty must be a finite"),
     ],
 )
 def test_bad_input_lines_name_the_line_and_key(tmp_path, line, match):
@@ -103,3 +106,51 @@ def test_bad_input_lines_name_the_line_and_key(tmp_path, line, match):
 def test_cli_reports_config_errors_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"jaxengine: error: .*unknown key 'bogus'"):
         main(["run", str(_write(tmp_path, {"bogus": 1}, LINES))])
+
+
+def test_unwritable_outputs_are_refused_before_the_model_loads(tmp_path, monkeypatch):
+    from jaxengine import batch_run
+
+    monkeypatch.setattr(batch_run, "LLM", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "dir_out").mkdir()
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for output in (tmp_path / "dir_out", blocker / "sub" / "outputs.jsonl"):
+        cfg = load_run_config(_write(tmp_path, {"output": str(output)}, LINES))
+        with pytest.raises(ConfigError, match=str(output)):
+            batch_run.run_batch(cfg)
+
+
+def test_outputs_and_metrics_are_replaced_together_or_not_at_all(tmp_path, monkeypatch):
+    from jaxengine import batch_run
+
+    out, metrics = tmp_path / "o.jsonl", tmp_path / "m.json"
+    out.write_text("old outputs")
+    metrics.write_text("old metrics")
+    real = batch_run.os.replace
+    calls = []
+
+    def failing(src, dst):
+        calls.append(dst)
+        if str(dst) == str(metrics) and len(calls) == 4:  # the new metrics, after the new outputs
+            raise OSError("disk full")
+        return real(src, dst)
+
+    monkeypatch.setattr(batch_run.os, "replace", failing)
+    with pytest.raises(OSError, match="disk full"):
+        batch_run.write_together({out: "new outputs", metrics: "new metrics"})
+    assert out.read_text() == "old outputs" and metrics.read_text() == "old metrics"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.json", "o.jsonl"]  # no leftovers
+    monkeypatch.setattr(batch_run.os, "replace", real)
+    batch_run.write_together({out: "new outputs", metrics: "new metrics"})
+    assert out.read_text() == "new outputs" and metrics.read_text() == "new metrics"
+
+
+def test_a_broken_model_file_is_one_line(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (model / name).write_bytes((REPO / "jaxengine" / "assets" / "default_model" / name).read_bytes())
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(SystemExit, match=r"jaxengine: error: .*model.safetensors: cannot read the safetensors file"):
+        main(["run", str(_write(tmp_path, {"model": str(model)}, LINES))])

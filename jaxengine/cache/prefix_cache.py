@@ -336,6 +336,24 @@ class PrefixCache:
         self.pending.difference_update(blocks)
         self.pool.give_back(blocks)
 
+    def cancel_all_pending(self) -> None:
+        """Gives back every reservation (after a step that failed)."""
+        self.cancel(sorted(self.pending))
+
+    def clear(self) -> None:
+        """Forgets all cache content (the device lost it); blocks held by running sequences
+        must have been released first."""
+        if self.pool.ref_count:
+            raise RuntimeError("clearing the prefix cache while running sequences hold blocks")
+        self.cancel_all_pending()
+        blocks = [b for c in self.checkpoints.values() for b in c.blocks] + list(self.node_of_block)
+        self.pool.give_back(blocks)
+        self.nodes.clear()
+        self.node_of_block.clear()
+        self.checkpoints.clear()
+        self._dead.clear()
+        self._heap.clear()
+
     def commit(self, blocks: list[int], block_hash: bytes, origin: int, hits: int) -> Checkpoint | None:
         """The step wrote `blocks`: they become the checkpoint of `block_hash`'s prefix (whose
         page must be registered by now). If that prefix has one already, or its page could

@@ -74,6 +74,7 @@ class BatchBuilder:
         max_model_len: int,
         page_size: int,
         eos_token_ids: tuple[int, ...],
+        vocab_size: int,
         blocks_per_checkpoint: int = 0,
         saves_checkpoints: bool = False,
     ):
@@ -83,6 +84,7 @@ class BatchBuilder:
         self.page_size = page_size
         self.pages_per_seq = math.ceil(max_model_len / page_size)
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
         self.blocks_per_checkpoint = blocks_per_checkpoint  # 0: no recurrent layers
         self.saves_checkpoints = saves_checkpoints  # prefix caching on a model with recurrent layers
 
@@ -154,7 +156,7 @@ class BatchBuilder:
 
             p = seq.params
             temperature[i] = p.temperature
-            top_k[i] = max(p.top_k, 0)
+            top_k[i] = min(max(p.top_k, 0), self.vocab_size)  # 0: no limit; above the vocabulary: none either
             top_p[i] = p.top_p
             min_p[i] = p.min_p
             presence[i] = p.presence_penalty

@@ -1,6 +1,7 @@
 """The engine loop: requests in, one scheduled and sampled step at a time, tokens out."""
 
 import logging
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -16,14 +17,16 @@ from jaxengine.cache.live_slots import LiveSlots
 from jaxengine.cache.prefix_cache import PrefixCache
 from jaxengine.engine.batch_builder import BatchBuilder, Shape
 from jaxengine.engine.engine_config import EngineConfig
+from jaxengine.engine.interrupts import deferred_interrupts
 from jaxengine.engine.outputs import RequestMetrics, RequestOutput
 from jaxengine.engine.pools import store_layout
 from jaxengine.engine.runner import ModelRunner, enable_compilation_cache
-from jaxengine.engine.sampling_params import SamplingParams
+from jaxengine.engine.sampling_params import SamplingParams, is_int
 from jaxengine.engine.scheduler import ScheduledStep, Scheduler
-from jaxengine.engine.sequence import Sequence
+from jaxengine.engine.sequence import Sequence, Status
 from jaxengine.engine.tokenizer import load_tokenizer
 from jaxengine.models.config import ModelConfig
+from jaxengine.models.kernels import kernel_ops
 from jaxengine.models.loader import load_model
 
 logger = logging.getLogger("jaxengine")
@@ -39,10 +42,18 @@ class LLMEngine:
         if config.compilation_cache_dir and not config.kernels.startswith("pallas-interpret"):
             enable_compilation_cache(config.compilation_cache_dir)
         self.model_dir = Path(model)
+        kernel_ops(config.kernels)  # kernels this machine cannot run: an error now, not at the first step
         self.model_config, graphdef, params = load_model(self.model_dir, config.dtype, config.kernels)
         self.tokenizer = load_tokenizer(self.model_dir)
         cfg = self.model_config
         self.max_model_len = config.resolved_max_model_len(cfg)
+        if cfg.num_attention_layers and self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"engine argument max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={cfg.max_position_embeddings} ({self.model_dir / 'config.json'})"
+            )
+        if config.max_logprobs > cfg.vocab_size:
+            raise ValueError(f"engine argument max_logprobs={config.max_logprobs} exceeds the vocabulary ({cfg.vocab_size})")
         caching = config.enable_prefix_caching
         layout = store_layout(cfg, config.page_size, jax.tree.leaves(params)[0].dtype)
         blocks_per_checkpoint = layout.blocks_per_checkpoint if layout else 0
@@ -78,6 +89,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             page_size=config.page_size,
             eos_token_ids=cfg.eos_token_ids,
+            vocab_size=cfg.vocab_size,
             blocks_per_checkpoint=blocks_per_checkpoint if caching else 0,  # no hits to read without caching
             saves_checkpoints=caching and blocks_per_checkpoint > 0,
         )
@@ -88,6 +100,8 @@ class LLMEngine:
                 checkpoint_policy.describe_interval(self.retention_interval), self.retention_interval, why,
                 blocks_per_checkpoint, config.block_bytes(cfg), num_blocks,
             )
+        self.requests: dict[str, Sequence] = {}  # unfinished ones, by request id
+        self._id_lock = threading.Lock()
         self.compile_seconds = 0.0
         self.peak_blocks_in_use = 0
         self.peak_slots_in_use = 0
@@ -134,6 +148,9 @@ class LLMEngine:
                 raise ValueError(f"{where}: text prompts need a tokenizer.json in {self.model_dir}")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple, np.ndarray)):
+            for k, t in enumerate(prompt):
+                if not is_int(t):
+                    raise ValueError(f"{where}: token ids must be integers, got {t!r} ({type(t).__name__}) at index {k}")
             ids = [int(t) for t in prompt]
         else:
             raise ValueError(f"{where}: a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -153,15 +170,29 @@ class LLMEngine:
             raise ValueError(f"{where}: needs {total} tokens of KV cache, more than the whole pool holds")
         return ids
 
+    def new_request(
+        self, token_ids: list[int], params: SamplingParams, index: int = 0, cache_salt: str | None = None
+    ) -> Sequence:
+        """An already validated request, not queued yet (`enqueue`); safe from any thread."""
+        with self._id_lock:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        seed = params.step_seed if params.seed is not None else zlib.crc32(f"{self.config.seed}/{request_id}".encode())
+        seq = Sequence(request_id, index, list(token_ids), len(token_ids), params, seed, cache_salt=cache_salt)
+        self.requests[request_id] = seq
+        return seq
+
+    def enqueue(self, seq: Sequence) -> None:
+        """Hands a new request to the scheduler (unless it was aborted meanwhile)."""
+        if seq.status is Status.WAITING:
+            self.scheduler.add(seq)
+
     def add_request(
         self, token_ids: list[int], params: SamplingParams, index: int = 0, cache_salt: str | None = None
     ) -> Sequence:
         """Queues an already validated request."""
-        request_id = str(self._next_id)
-        self._next_id += 1
-        seed = params.seed if params.seed is not None else zlib.crc32(f"{self.config.seed}/{request_id}".encode())
-        seq = Sequence(request_id, index, list(token_ids), len(token_ids), params, seed, cache_salt=cache_salt)
-        self.scheduler.add(seq)
+        seq = self.new_request(token_ids, params, index, cache_salt)
+        self.enqueue(seq)
         return seq
 
     @property
@@ -171,7 +202,31 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[Sequence]:
-        """Runs one step; returns the sequences that received a token (finished ones included)."""
+        """Runs one step; returns the sequences that received a token (finished ones included).
+
+        All or nothing for the engine: Ctrl-C is held back until the step is done, and if the
+        step raises (an error on the device, a bug), the pools are valid again and the
+        scheduler consistent before the exception goes on: running sequences go back to the
+        queue to be recomputed, and if the pools were lost the cache forgets their content.
+        Which requests to abort is the caller's business (`abort`)."""
+        with deferred_interrupts():
+            try:
+                return self._step()
+            except BaseException:
+                lost = self.runner.pools_lost()
+                if lost:
+                    self.runner.reset_pools()
+                self.scheduler.recover(device_state_lost=lost)
+                raise
+
+    def abort(self, seq: Sequence) -> None:
+        """Stops a request now and releases what it holds (finish reason "abort")."""
+        if seq.status is not Status.FINISHED:
+            seq.finish_time = time.perf_counter()
+        self.scheduler.abort(seq)
+        self.requests.pop(seq.request_id, None)
+
+    def _step(self) -> list[Sequence]:
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             raise RuntimeError("nothing could be scheduled although requests are pending")
@@ -201,6 +256,7 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 seq.finish_time = now
                 self.scheduler.finish(seq)
+                self.requests.pop(seq.request_id, None)
             updated.append(seq)
         return updated
 

@@ -81,9 +81,19 @@ class ModelRunner:
         self.sample_step = jax.jit(
             functools.partial(_sample_step, **bound), static_argnames=("decode", "num_logprobs"), donate_argnames=("pools",)
         )
-        self.pools = allocate_pools(
-            cfg, num_blocks=num_blocks, page_size=page_size, num_slots=num_slots, dtype=dtype, mesh=self.mesh
+        self._allocate = functools.partial(
+            allocate_pools, cfg, num_blocks=num_blocks, page_size=page_size, num_slots=num_slots, dtype=dtype,
+            mesh=self.mesh,
         )
+        self.pools = self._allocate()
+
+    def pools_lost(self) -> bool:
+        """Whether the pools were donated to a step that did not hand new ones back."""
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.pools))
+
+    def reset_pools(self) -> None:
+        """Fresh zero pools (after `pools_lost`): everything they held is gone."""
+        self.pools = self._allocate()
 
     def logits(self, batch: StepBatch, *, decode: bool = False, all_logits: bool = False) -> jax.Array:
         """Runs one step and returns float32 logits (every token's when `all_logits`)."""

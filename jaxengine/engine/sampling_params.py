@@ -1,9 +1,16 @@
 """Per-request sampling parameters (field names and meanings follow vLLM)."""
 
 import dataclasses
+import math
+import numbers
 from typing import Any
 
+import numpy as np
+
 MAX_STOP_TOKEN_IDS = 16  # stop/eos ids that min_tokens can hold back, per request
+INT32_MAX = 2**31 - 1
+INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+FLOAT_MAX = float(np.finfo(np.float32).max)  # the step's float32 arrays hold at most this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,13 +39,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        # Accept lists for the tuple fields, as vLLM users write them.
+        # Accept lists, a single string and None for the tuple fields, as vLLM users write them.
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
-            if isinstance(value, str):
+            if value is None:
+                value = ()
+            elif isinstance(value, str):
                 value = (value,)
-            if isinstance(value, list):
-                object.__setattr__(self, name, tuple(value))
+            elif isinstance(value, list):
+                value = tuple(value)
+            object.__setattr__(self, name, value)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], where: str = "") -> "SamplingParams":
@@ -51,42 +61,64 @@ class SamplingParams:
         return cls(**values)
 
     def validate(self, where: str = "", *, vocab_size: int | None = None, max_logprobs: int = 20) -> None:
-        """Raises ValueError naming the bad field (and `where`, e.g. the request)."""
+        """Raises ValueError naming the bad field (and `where`, e.g. the request). Numbers must
+        be finite and of the field's type; integers fit the step's int32 arrays."""
         prefix = f"{where}: " if where else ""
 
         def fail(field: str, rule: str) -> None:
             raise ValueError(f"{prefix}SamplingParams.{field} {rule}, got {getattr(self, field)!r}")
 
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
+        def number(field: str, low: float, high: float, *, low_open: bool = False, integer: bool = False) -> None:
+            value = getattr(self, field)
+            ok = is_int(value) if integer else is_num(value) and _finite(value)
+            if not ok or not (low < value if low_open else low <= value) or value > high:
+                kind = "an integer" if integer else "a finite number"
+                fail(field, f"must be {kind} in {'(' if low_open else '['}{low:g}, {high:g}]")
 
-        def is_num(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            fail("max_tokens", "must be an integer >= 1")
-        if not is_num(self.temperature) or self.temperature < 0:
-            fail("temperature", "must be a number >= 0")
-        if not is_int(self.top_k) or self.top_k < -1:
-            fail("top_k", "must be an integer >= -1 (0 or -1 disable it)")
-        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
-            fail("top_p", "must be in (0, 1]")
-        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
-            fail("min_p", "must be in [0, 1]")
-        for field in ("presence_penalty", "frequency_penalty"):
-            if not is_num(getattr(self, field)) or not -2 <= getattr(self, field) <= 2:
-                fail(field, "must be in [-2, 2]")
-        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            fail("repetition_penalty", "must be > 0")
-        if self.seed is not None and not is_int(self.seed):
-            fail("seed", "must be an integer or None")
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            fail("min_tokens", "must be an integer in [0, max_tokens]")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        number("max_tokens", 1, INT32_MAX, integer=True)
+        number("temperature", 0, FLOAT_MAX)
+        number("top_k", -1, UINT64_MAX, integer=True)  # above the vocabulary: no limit
+        number("top_p", 0, 1, low_open=True)
+        number("min_p", 0, 1)
+        number("presence_penalty", -2, 2)
+        number("frequency_penalty", -2, 2)
+        number("repetition_penalty", 0, FLOAT_MAX, low_open=True)
+        if self.seed is not None:
+            number("seed", INT64_MIN, UINT64_MAX, integer=True)
+        number("min_tokens", 0, self.max_tokens, integer=True)
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "must be non-empty strings")
-        if not all(is_int(t) and (vocab_size is None or 0 <= t < vocab_size) for t in self.stop_token_ids):
-            fail("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        ids_ok = all(is_int(t) and (0 <= t < vocab_size if vocab_size is not None else 0 <= t <= INT32_MAX)
+                     for t in self.stop_token_ids) if isinstance(self.stop_token_ids, tuple) else False
+        if not ids_ok:
+            fail("stop_token_ids", f"must be token ids in [0, {vocab_size if vocab_size is not None else INT32_MAX})")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS - 2:
             fail("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS - 2} ids")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= max_logprobs):
-            fail("logprobs", f"must be an integer in [0, {max_logprobs}] or None")
+        if self.logprobs is not None:
+            number("logprobs", 0, max_logprobs, integer=True)
+        for field in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, field), bool):
+                fail(field, "must be true or false")
+
+    @property
+    def step_seed(self) -> int | None:
+        """The seed as the step's uint32 array holds it: any 64-bit integer, reduced to its
+        low 32 bits (two's complement for negative seeds)."""
+        return None if self.seed is None else int(self.seed) & 0xFFFFFFFF
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond float range
+        return False
+
+
+def is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_num(value: Any) -> bool:
+    """A Python or numpy real number, not a bool."""
+    return isinstance(value, (numbers.Real, np.floating, np.integer)) and not isinstance(value, (bool, np.bool_))

@@ -299,6 +299,33 @@ class Scheduler:
                 self.cache.supersede(older)
         seq.prompt_checkpoint, seq.trailing_checkpoint = None, block_hash
 
+    def abort(self, seq: Sequence) -> None:
+        """Drops a request wherever it is; what it holds is released (its cached pages and
+        checkpoints stay)."""
+        if seq.status is Status.WAITING:
+            if seq in self.waiting:  # else not handed to the scheduler yet
+                self.waiting.remove(seq)
+        elif seq.status in (Status.RUNNING, Status.COMPLETING):
+            self.running.remove(seq)
+            self.release(seq)
+        seq.status = Status.FINISHED
+        if seq.finish_reason is None:
+            seq.finish_reason = "abort"
+
+    def recover(self, device_state_lost: bool) -> None:
+        """Makes the bookkeeping consistent after a step that failed anywhere: reservations
+        are cancelled and every running sequence goes back to the queue, to be recomputed
+        (their outputs so far are kept). If the device pools were lost, the cache forgets
+        everything they held."""
+        self.cache.cancel_all_pending()
+        for seq in list(reversed(self.running)):
+            if seq.status is Status.COMPLETING:
+                self.finish(seq)
+            else:
+                self._preempt(seq)
+        if device_state_lost:
+            self.cache.clear()
+
     def finish(self, seq: Sequence) -> None:
         """Releases a finished sequence's pages and slots (its cached ones stay reusable).
 

@@ -8,6 +8,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase | None:
     """The directory's Hugging Face tokenizer, or None when it ships no `tokenizer.json`
     (such a model then takes token-id prompts only)."""
-    if not (model_dir / "tokenizer.json").is_file():
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
         return None
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as err:  # tokenizers raises its own types for a broken file
+        raise ValueError(f"{path}: cannot load the tokenizer ({type(err).__name__}: {err})") from None

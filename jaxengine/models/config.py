@@ -366,7 +366,13 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-    architectures = json.loads(path.read_text()).get("architectures") or []
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: must be a JSON object")
+    architectures = raw.get("architectures") or []
     if not architectures:
         raise ValueError(f"{path}: 'architectures' is missing; supported: {', '.join(ARCHITECTURES)}")
     architecture = architectures[0]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from jaxengine.models.config import ModelConfig, load_model_config
 from jaxengine.models.hybrid import HybridLM
@@ -196,19 +196,32 @@ def _convert(kind: str, tensor: np.ndarray) -> list[np.ndarray]:
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
-    """All tensors of a single-file or sharded safetensors checkpoint, as numpy arrays."""
+    """All tensors of a single-file or sharded safetensors checkpoint, as numpy arrays; a
+    ValueError naming the file for a broken file, and naming the tensor for one holding NaN
+    or infinity (such weights would turn every output into the same token silently)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{index}: not a safetensors index ({type(err).__name__}: {err})") from None
     elif (model_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
     tensors = {}
     for name in files:
-        with safe_open(model_dir / name, framework="flax") as f:
-            for key in f.keys():
-                tensors[key] = np.asarray(f.get_tensor(key))
+        path = model_dir / name
+        try:
+            with safe_open(path, framework="flax") as f:
+                for key in f.keys():
+                    tensors[key] = np.asarray(f.get_tensor(key))
+        except (OSError, SafetensorError, ValueError) as err:
+            raise ValueError(f"{path}: cannot read the safetensors file ({err})") from None
+    for key, tensor in tensors.items():
+        if np.issubdtype(tensor.dtype, np.floating) or tensor.dtype.name == "bfloat16":
+            if not np.isfinite(tensor.astype(np.float32)).all():
+                raise ValueError(f"{model_dir}: tensor {key!r} holds NaN or infinite values")
     return tensors
 
 

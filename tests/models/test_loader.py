@@ -8,6 +8,7 @@ whole directory runs.
 
 import json
 import math
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -235,3 +236,38 @@ def test_time_step_limit_forms(bamba_copy, limit, expected):
     """The limit as HF encodes it, as a bare JSON `Infinity`, and finite."""
     edit_config(bamba_copy, lambda c: c.update(time_step_limit=limit))
     assert load_model_config(bamba_copy).mamba.time_step_limit == expected
+
+
+# ---------------------------------------------------------------------------- broken files
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_weights_are_named(bamba_copy, bad):
+    def poison(tensors):
+        tensors["model.layers.0.mamba.D"] = np.full_like(tensors["model.layers.0.mamba.D"], bad)
+
+    edit_tensors(bamba_copy, poison)
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.mamba\.D' holds NaN or infinite values"):
+        load_model(bamba_copy)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "model.safetensors.index.json"])
+def test_a_broken_file_is_named(bamba_copy, name):
+    if name == "model.safetensors.index.json":
+        (bamba_copy / name).write_text("{not json")
+    else:
+        (bamba_copy / name).write_bytes(b"\x00garbage")
+    with pytest.raises(ValueError, match=re_escape_path(bamba_copy / name)):
+        load_model(bamba_copy)
+
+
+def test_a_broken_tokenizer_is_named(bamba_copy):
+    from jaxengine.engine.tokenizer import load_tokenizer
+
+    (bamba_copy / "tokenizer.json").write_text("{broken")
+    with pytest.raises(ValueError, match=re_escape_path(bamba_copy / "tokenizer.json")):
+        load_tokenizer(bamba_copy)
+
+
+def re_escape_path(path: Path) -> str:
+    return re.escape(str(path))
