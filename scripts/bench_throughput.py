@@ -31,13 +31,16 @@ records the load averages at the start and the end of the run, and whether the C
 settings were on (``JAXENGINE_MALLOC_TUNING=1``, see ``jaxengine/host_memory.py``; they also
 apply to transformers, which runs in the same process).
 
+``--max-model-len`` takes one or more values, a table row each; the default is the engine's
+own (the model's ``max_position_embeddings`` up to 4096), what a user gets without setting it.
+
 ``--retention`` and ``--no-prefix-caching`` set jaxengine's prefix cache (default: on, dense
 checkpoints, as a user gets it): fresh prompts never hit, so they measure what storing
 checkpoints costs a step.
 
 Usage (from the repository root; ``PYTHONPATH=.`` is not needed after ``pip install -e .``):
   PYTHONPATH=. python scripts/bench_throughput.py --batch-sizes 1 16 --prompt-len 128 --max-tokens 64 \\
-      --repeats 3 --json bench_throughput.json
+      --max-model-len 192 1024 default --repeats 3 --json bench_throughput.json
 """
 
 from __future__ import annotations
@@ -93,6 +96,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per framework and batch size (median kept)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads for both")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="jaxengine's token budget per step")
+    parser.add_argument("--max-model-len", nargs="+", default=["default"],
+                        help="jaxengine's max_model_len, one table row each: 'default' (what a user gets, the model's "
+                             "max_position_embeddings up to 4096) or a number of tokens")
     parser.add_argument("--retention", default="auto",
                         help="jaxengine's prefix_cache_retention_interval: auto (the default: dense for this "
                              "hybrid), dense, sparse or a number of tokens")
@@ -307,7 +313,7 @@ def add_floor(result: dict[str, Any], floor_s: float) -> None:
 
 def format_table(results: list[dict[str, Any]]) -> str:
     header = (
-        f"| {'batch':>5} | {'engine':<12} | {'output tok/s':>12} | {'TTFT ms':>8} | {'decode step ms':>14} "
+        f"| {'max_model_len':>13} | {'batch':>5} | {'engine':<12} | {'output tok/s':>12} | {'TTFT ms':>8} | {'decode step ms':>14} "
         f"| {'step / floor':>12} | {'jaxengine / HF':>14} |"
     )
     rule = "|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|"
@@ -317,7 +323,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
             t = r[name]
             ratio = f"{r['throughput_ratio']:.2f}x" if name == "jaxengine" else ""
             lines.append(
-                f"| {r['batch_size']:>5} | {name:<12} | {t['tokens_per_s']:>12.1f} | {t['ttft_s'] * 1e3:>8.1f} "
+                f"| {r['max_model_len']:>13} | {r['batch_size']:>5} | {name:<12} | {t['tokens_per_s']:>12.1f} | {t['ttft_s'] * 1e3:>8.1f} "
                 f"| {t['decode_step_s'] * 1e3:>14.2f} | {t['step_over_floor']:>12.1f} | {ratio:>14} |"
             )
     return "\n".join(lines)
@@ -335,26 +341,34 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     floor_s = param_bytes / bandwidth
     print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s -> decode floor {floor_s * 1e3:.2f} ms/step")
 
-    max_len = args.prompt_len + args.max_tokens
-    llm = LLM(
-        model_dir,
-        dtype="float32",
-        max_model_len=max_len,
-        max_num_seqs=max(args.batch_sizes),
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        page_size=16,
-        warm_up=True,
-        enable_prefix_caching=not args.no_prefix_caching,
-        prefix_cache_retention_interval=RETENTIONS.get(args.retention, args.retention),
-    )
-    print(f"jaxengine compiled {len(llm.engine.shapes())} step shapes in {llm.engine.compile_seconds:.1f} s")
-
-    results = []
-    for batch in args.batch_sizes:
-        result = bench_batch(llm, model, batch, args.prompt_len, args.max_tokens, args.repeats)
-        add_floor(result, floor_s)
-        print(f"batch {batch}: jaxengine / transformers = {result['throughput_ratio']:.2f}x")
-        results.append(result)
+    results, compiles = [], []
+    for max_model_len in args.max_model_len:
+        llm = LLM(
+            model_dir,
+            dtype="float32",
+            max_num_seqs=max(args.batch_sizes),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            page_size=16,
+            warm_up=True,
+            background_compile=False,  # every shape compiled before the timed runs
+            enable_prefix_caching=not args.no_prefix_caching,
+            prefix_cache_retention_interval=RETENTIONS.get(args.retention, args.retention),
+            **({} if max_model_len == "default" else {"max_model_len": int(max_model_len)}),
+        )
+        resolved = llm.engine.max_model_len
+        shapes = len(llm.engine.shapes())
+        print(f"max_model_len {max_model_len} ({resolved}): jaxengine compiled {shapes} step shapes in "
+              f"{llm.engine.compile_seconds:.1f} s")
+        compiles.append({"max_model_len": max_model_len, "resolved": resolved, "step_shapes": shapes,
+                         "compile_s": llm.engine.compile_seconds, "cache_stats": llm.stats()})
+        for batch in args.batch_sizes:
+            result = bench_batch(llm, model, batch, args.prompt_len, args.max_tokens, args.repeats)
+            add_floor(result, floor_s)
+            result["max_model_len"] = f"{resolved}" + (" (default)" if max_model_len == "default" else "")
+            print(f"max_model_len {resolved}, batch {batch}: jaxengine / transformers = {result['throughput_ratio']:.2f}x")
+            results.append(result)
+        retention = llm.stats()["prefix_cache_retention_interval"]
+        del llm
 
     return {
         "machine": machine_info(args.threads, load_start),
@@ -369,17 +383,14 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
             "max_tokens": args.max_tokens,
             "repeats": args.repeats,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_model_len": max_len,
             "page_size": 16,
             "dtype": "float32",
             "prefix_caching": not args.no_prefix_caching,
-            "prefix_cache_retention_interval": llm.stats()["prefix_cache_retention_interval"],
+            "prefix_cache_retention_interval": retention,
         },
         "memory_bandwidth_bytes_per_s": bandwidth,
         "decode_floor_s": floor_s,
-        "jaxengine_compile_s": llm.engine.compile_seconds,
-        "jaxengine_cache_stats": llm.stats(),
-        "jaxengine_step_shapes": len(llm.engine.shapes()),
+        "jaxengine_compiles": compiles,
         "results": results,
     }
 

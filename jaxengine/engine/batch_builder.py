@@ -142,6 +142,7 @@ class BatchBuilder:
         history = np.full((s_size, self.max_model_len), -1, np.int32)
         prompt_lens = np.zeros(s_size, np.int32)
         banned = np.full((s_size, MAX_STOP_TOKEN_IDS), -1, np.int32)
+        wants_logprobs = np.zeros(s_size, bool)
 
         offset = 0
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
@@ -166,6 +167,7 @@ class BatchBuilder:
             steps[i] = seq.num_output_tokens
             history[i, : len(seq.tokens)] = seq.tokens
             prompt_lens[i] = seq.num_prompt_tokens
+            wants_logprobs[i] = p.logprobs is not None
             if seq.num_output_tokens < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 banned[i, : len(stops)] = stops[:MAX_STOP_TOKEN_IDS]
@@ -184,6 +186,7 @@ class BatchBuilder:
             save_seq[c], save_pos[c], save_blocks[c] = save.seq_index, save.position, save.blocks
         batch = StepBatch(ids, cu, kv_lens, page_table, read, write, restore, save_seq, save_pos, save_blocks)
         sampling = SamplingBatch(
-            temperature, top_k, top_p, min_p, presence, frequency, repetition, seeds, steps, history, prompt_lens, banned
+            temperature, top_k, top_p, min_p, presence, frequency, repetition, seeds, steps, history, prompt_lens, banned,
+            wants_logprobs,
         )
         return batch, sampling

@@ -59,6 +59,9 @@ class EngineConfig:
     kernels: str = "auto"  # see jaxengine/models/kernels.py
     compilation_cache_dir: str | None = str(DEFAULT_COMPILATION_CACHE)  # None: no persistent cache
     warm_up: bool = True
+    # With warm_up: compile only the largest mixed and decode shapes before serving and the
+    # others on a background thread (steps use a larger ready shape meanwhile); False: all first.
+    background_compile: bool = True
     seed: int = 0
 
     def validate(self) -> None:
@@ -69,6 +72,9 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"engine argument {name} must be a positive integer, got {value!r}")
 
+        for name in ("enable_prefix_caching", "warm_up", "background_compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"engine argument {name} must be true or false, got {getattr(self, name)!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_cache_blocks",
                      "kv_cache_memory_bytes", "num_ssm_slots", "max_logprobs"):
             positive(name)

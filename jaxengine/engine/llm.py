@@ -28,7 +28,7 @@ class LLM:
     Keyword arguments are the fields of `EngineConfig` (vLLM's names): `max_model_len`,
     `max_num_seqs`, `max_num_batched_tokens`, `page_size`, `num_cache_blocks` or
     `kv_cache_memory_bytes`, `prefix_cache_retention_interval`, `compilation_cache_dir`,
-    `warm_up`, ...
+    `warm_up`, `background_compile`, ...
 
     What a caller can rely on:
       * every `generate` / `generate_stream` call owns its requests; several threads may call
@@ -52,7 +52,7 @@ class LLM:
             self.warm_up()
 
     def warm_up(self, progress: bool = True) -> None:
-        """Compiles every step shape now, so no request waits for a compile."""
+        """Makes every step shape ready (see `LLMEngine.warm_up`), so no step waits for a compile."""
         shapes = self.engine.shapes()
         with self._lock, tqdm(total=len(shapes), desc="compiling step shapes", leave=False, disable=not progress) as bar:
             self.engine.warm_up(bar.update)

@@ -24,6 +24,7 @@ from jaxengine.engine.runner import ModelRunner, enable_compilation_cache
 from jaxengine.engine.sampling_params import SamplingParams, is_int
 from jaxengine.engine.scheduler import ScheduledStep, Scheduler
 from jaxengine.engine.sequence import Sequence, Status
+from jaxengine.engine.step_store import StepStore
 from jaxengine.engine.tokenizer import load_tokenizer
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.kernels import kernel_ops
@@ -39,8 +40,9 @@ class LLMEngine:
         config.validate()
         self.config = config
         # Interpreted kernels run host callbacks, which a persistent cache must not store.
-        if config.compilation_cache_dir and not config.kernels.startswith("pallas-interpret"):
-            enable_compilation_cache(config.compilation_cache_dir)
+        cache_dir = None if config.kernels.startswith("pallas-interpret") else config.compilation_cache_dir
+        if cache_dir:
+            enable_compilation_cache(cache_dir)
         self.model_dir = Path(model)
         kernel_ops(config.kernels)  # kernels this machine cannot run: an error now, not at the first step
         self.model_config, graphdef, params = load_model(self.model_dir, config.dtype, config.kernels)
@@ -74,6 +76,7 @@ class LLMEngine:
             page_size=config.page_size,
             num_slots=slots.num_slots if slots else 2,
             num_logprobs=config.max_logprobs,
+            store=StepStore(cache_dir),
         )
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
@@ -105,6 +108,7 @@ class LLMEngine:
         self.compile_seconds = 0.0
         self.peak_blocks_in_use = 0
         self.peak_slots_in_use = 0
+        self.steps_in_larger_shapes = 0  # run in a larger shape while theirs compiled in the background
         self._next_id = 0
 
     def _costs(self, cfg: ModelConfig, params, blocks_per_checkpoint: int) -> ModelCosts:
@@ -125,15 +129,34 @@ class LLMEngine:
         return self.builder.shapes()
 
     def warm_up(self, progress: Callable[[], None] | None = None) -> None:
-        """Compiles every step shape before the first request (from the persistent cache
-        when a previous run left it there)."""
+        """Makes every step shape ready before the first request: loads those a previous run
+        stored and compiles the rest — with `background_compile`, only the largest mixed and
+        decode shapes now (every step fits one of them) and the others on a background
+        thread, most sequences and decode shapes first."""
         start = time.perf_counter()
+        shapes = sorted(self.shapes(), key=lambda s: (-s.num_seqs, not s.decode, -s.num_tokens, s.num_saves))
+        largest = {max((s for s in shapes if s.decode == d), key=_size) for d in (False, True)}
+        later = {_key(s) for s in shapes if s not in largest} if self.config.background_compile else set()
         batches = []
-        for shape in self.shapes():
+        for shape in shapes:
             batch, sampling = self.builder.empty(shape)
             batches.append((batch, sampling, shape.decode))
-        self.runner.warm_up(batches, progress)
+        self.runner.warm_up(batches, progress, later=later)
         self.compile_seconds += time.perf_counter() - start
+
+    def _shape_for(self, scheduled: ScheduledStep) -> Shape:
+        """The step's own shape, or while the background thread compiles it, the smallest
+        ready shape the step fits."""
+        shape = self.builder.shape_of(scheduled)
+        ready = self.runner.steps.ready
+        if _key(shape) in ready or not self.runner.steps.compiling:
+            return shape
+        fits = [s for s in self.shapes() if _key(s) in ready and _covers(s, shape)]
+        if not fits:
+            return shape
+        self.runner.steps.prefer(_key(shape))
+        self.steps_in_larger_shapes += 1
+        return min(fits, key=_size)
 
     # ------------------------------------------------------------------ requests
 
@@ -231,7 +254,7 @@ class LLMEngine:
         if not scheduled.seqs:
             raise RuntimeError("nothing could be scheduled although requests are pending")
         self._note_pool_use()
-        shape = self.builder.shape_of(scheduled)
+        shape = self._shape_for(scheduled)
         batch, sampling = self.builder.build(scheduled, shape)
         out = self.runner.sample(batch, sampling, decode=shape.decode)
         tokens = np.asarray(out.tokens)
@@ -294,6 +317,8 @@ class LLMEngine:
             "preemptions": sched.num_preemptions,
             "peak_blocks_in_use": self.peak_blocks_in_use,
             "peak_ssm_live_slots_in_use": self.peak_slots_in_use,
+            "steps_in_larger_shapes": self.steps_in_larger_shapes,
+            "step_shapes_not_ready": len(self.shapes()) - len(self.runner.steps.ready),
         }
 
     def _check_finished(self, seq: Sequence, token: int) -> None:
@@ -360,3 +385,19 @@ class LLMEngine:
         finally:
             sched.release(seq)
         return np.concatenate(rows)
+
+
+def _key(shape: Shape) -> tuple[int, int, int, bool]:
+    """The runner's key of a shape's executable."""
+    return shape.num_tokens, shape.num_seqs, shape.num_saves, shape.decode
+
+
+def _size(shape: Shape) -> tuple[int, int, bool, int]:
+    return shape.num_tokens, shape.num_seqs, not shape.decode, shape.num_saves
+
+
+def _covers(big: Shape, small: Shape) -> bool:
+    """Whether a step of shape `small` fits `big`: no dimension smaller, and a decode step
+    fits a mixed shape (a mixed step handles any tokens per sequence) but not the reverse."""
+    return (big.num_tokens >= small.num_tokens and big.num_seqs >= small.num_seqs
+            and big.num_saves >= small.num_saves and (big.decode == small.decode or not big.decode))

@@ -1,4 +1,4 @@
-"""The model runner: owns the parameters and the donated pools and runs jitted steps."""
+"""The model runner: owns the parameters and the donated pools and runs compiled steps."""
 
 import functools
 from collections.abc import Callable
@@ -13,6 +13,8 @@ from jax.tree_util import PyTreeDef
 
 from jaxengine.engine.pools import allocate_pools
 from jaxengine.engine.sampler import SampleOutput, SamplingBatch, sample_tokens
+from jaxengine.engine.step_executables import StepExecutables
+from jaxengine.engine.step_store import StepStore
 from jaxengine.models.batch import Pools, StepBatch
 from jaxengine.models.config import ModelConfig
 
@@ -63,6 +65,7 @@ class ModelRunner:
         num_slots: int,
         num_logprobs: int = 20,
         mesh: Mesh | None = None,
+        store: StepStore | None = None,
     ):
         self.cfg = cfg
         self.page_size = page_size
@@ -86,6 +89,12 @@ class ModelRunner:
             mesh=self.mesh,
         )
         self.pools = self._allocate()
+        # The pools' shapes and shardings, to compile against while the pools themselves are
+        # donated to running steps.
+        self.pool_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.pools)
+        # One executable per step shape, compiled (or loaded from `store`) ahead of its first
+        # step, and called directly: no tracing, no dispatch through the jit's cache.
+        self.steps = StepExecutables(self._lower, self._file_key, store or StepStore(None))
 
     def pools_lost(self) -> bool:
         """Whether the pools were donated to a step that did not hand new ones back."""
@@ -104,23 +113,35 @@ class ModelRunner:
 
     def sample(self, batch: StepBatch, sampling: SamplingBatch, *, decode: bool) -> SampleOutput:
         """Runs one step and samples each sequence's next token on device."""
-        out, self.pools = self.sample_step(
-            param_leaves=self.param_leaves,
-            pools=self.pools,
-            batch=batch,
-            sampling=sampling,
-            decode=decode,
-            num_logprobs=self.num_logprobs,
-        )
+        out, self.pools = self.run_executable(self.executable(batch, sampling, decode=decode), batch, sampling)
         return out
 
-    def num_compiled_steps(self) -> int:
-        """How many step executables this runner has compiled (for recompile checks)."""
-        return self.sample_step._cache_size() + self.model_step._cache_size()
+    def run_executable(
+        self, executable: jax.stages.Compiled, batch: StepBatch, sampling: SamplingBatch
+    ) -> tuple[SampleOutput, Pools]:
+        """Runs a step executable on the current pools (donating them) and returns the new ones."""
+        return executable(param_leaves=self.param_leaves, pools=self.pools, batch=batch, sampling=sampling)
 
-    def warm_up(self, batches: list[tuple[StepBatch, SamplingBatch, bool]], progress: Callable | None = None) -> None:
-        """Compiles the step for every given (all-padding) batch before real work starts."""
-        for batch, sampling, decode in batches:
-            jax.block_until_ready(self.sample(batch, sampling, decode=decode))
-            if progress is not None:
-                progress()
+    def executable(self, batch: StepBatch, sampling: SamplingBatch, *, decode: bool) -> jax.stages.Compiled:
+        """The step executable for this batch's shape: ready, loaded from the store, or compiled."""
+        return self.steps.get(batch, sampling, decode)
+
+    def _lower(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Lowered:
+        return self.sample_step.lower(**self._step_args(batch, sampling), decode=decode, num_logprobs=self.num_logprobs)
+
+    def _file_key(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> str:
+        static = dict(decode=decode, num_logprobs=self.num_logprobs)
+        return self.steps.store.key(static, *self._step_args(batch, sampling).values())
+
+    def _step_args(self, batch: StepBatch, sampling: SamplingBatch) -> dict:
+        return dict(param_leaves=self.param_leaves, pools=self.pool_specs, batch=batch, sampling=sampling)
+
+    def num_compiled_steps(self) -> int:
+        """How many step executables this runner has compiled or loaded (for recompile checks)."""
+        return len(self.steps.ready) + self.model_step._cache_size()
+
+    def warm_up(self, batches: list[tuple[StepBatch, SamplingBatch, bool]], progress: Callable | None = None,
+                later: set = frozenset()) -> None:
+        """Loads or compiles the step of every given (all-padding) batch before real work
+        starts; the shapes in `later` that are not stored compile on a background thread."""
+        self.steps.prepare(batches, later=later, progress=progress)

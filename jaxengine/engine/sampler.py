@@ -23,6 +23,7 @@ class SamplingBatch:
     history: jax.Array  # [S, L] int32: prompt then output tokens, -1 padded
     prompt_lens: jax.Array  # [S] int32
     banned: jax.Array  # [S, B] int32: ids that may not be drawn now (min_tokens), -1 padded
+    wants_logprobs: jax.Array  # [S] bool: the row asked for its top log-probabilities
 
 
 @jax.tree_util.register_dataclass
@@ -32,8 +33,8 @@ class SampleOutput:
 
     tokens: jax.Array  # [S] int32
     logprob: jax.Array  # [S] float32: raw log-probability of the chosen token
-    top_logprobs: jax.Array  # [S, K] float32: the K most likely tokens' raw log-probabilities
-    top_ids: jax.Array  # [S, K] int32
+    top_logprobs: jax.Array  # [S, K] float32: the K most likely tokens' raw log-probabilities (0 unless asked)
+    top_ids: jax.Array  # [S, K] int32 (0 unless some row asked)
 
 
 def _apply_penalties(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
@@ -76,7 +77,11 @@ def sample_tokens(logits: jax.Array, sb: SamplingBatch, num_logprobs: int) -> Sa
     logits = logits.at[rows, jnp.clip(sb.banned, 0, logits.shape[1] - 1)].min(
         jnp.where(sb.banned >= 0, -jnp.inf, jnp.inf)
     )
-    logits = _apply_penalties(logits, sb)
+    # Penalties scatter every row's history over the vocabulary: only when some row has one.
+    penalised = jnp.any(sb.repetition_penalty != 1) | jnp.any(sb.frequency_penalty != 0) | jnp.any(
+        sb.presence_penalty != 0
+    )
+    logits = jax.lax.cond(penalised, _apply_penalties, lambda logits, sb: logits, logits, sb)
     greedy = jnp.argmax(logits, axis=-1)
     temp = jnp.where(sb.temperature > 0, sb.temperature, 1.0)
 
@@ -90,6 +95,14 @@ def sample_tokens(logits: jax.Array, sb: SamplingBatch, num_logprobs: int) -> Sa
     # both when every row is greedy.
     drawn = jax.lax.cond(jnp.any(sb.temperature > 0), sample, lambda scaled: greedy, logits / temp[:, None])
     tokens = jnp.where(sb.temperature > 0, drawn, greedy).astype(jnp.int32)
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+    def top(logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        values, ids = jax.lax.top_k(logprobs, num_logprobs)
+        return values, ids.astype(jnp.int32)
+
+    def none(logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        rows = logprobs.shape[0]
+        return jnp.zeros((rows, num_logprobs), jnp.float32), jnp.zeros((rows, num_logprobs), jnp.int32)
+
+    top_logprobs, top_ids = jax.lax.cond(jnp.any(sb.wants_logprobs), top, none, raw_logprobs)
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SampleOutput(tokens, chosen, top_logprobs, top_ids.astype(jnp.int32))
+    return SampleOutput(tokens, chosen, top_logprobs, top_ids)

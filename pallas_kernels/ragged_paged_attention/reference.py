@@ -64,6 +64,7 @@ def write_kv_pages(
 
 
 QUERY_BLOCK = 32  # query tokens attended at a time: bounds the temporaries of a long step
+KV_CHUNK = 128  # context positions scored at a time (rounded down to whole pages)
 
 
 def ragged_paged_attention(
@@ -81,15 +82,17 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, Hq, D]; zero for padding tokens
     """Attends each query token to the cached context of its own sequence.
 
-    Query tokens go through in blocks of up to `QUERY_BLOCK` (a loop), so the temporaries
-    stay small however long the step. Two ways to lay out the context, with equal results:
-      * per token: each sequence's pages are gathered once, K as [S, Hkv, D, ctx] and V as
-        [S, Hkv, ctx, D] (the layouts the two products read), and each token takes its own
-        sequence's, [block, Hkv, D, ctx] — the context copied once per query token, cheap
-        only when each sequence has few;
-      * per sequence: each sequence's pages are gathered once, [S * ctx, Hkv, D], and every
+    Query tokens go through in blocks of up to `QUERY_BLOCK` (a loop), and each block reads
+    the context in chunks of `KV_CHUNK` positions with an online softmax (an inner loop), only
+    the chunks its queries can see: from the first position the sliding window lets in to the
+    block's last query position. A step's cost follows the context its sequences have, not
+    the `pages_per_seq` the page table could hold. Two ways to lay out a chunk, with equal
+    results:
+      * per token: each token gathers its own sequence's chunk, [block, chunk, Hkv, D] — the
+        context copied once per query token, cheap only when each sequence has few;
+      * per sequence: the chunk of every sequence is gathered, [S * chunk, Hkv, D], and each
         token scores against all of them with the other sequences masked out, [block, Hq,
-        S * ctx] scores.
+        S * chunk] scores.
     `per_sequence=None` takes the cheaper one: per sequence when the scores of S contexts
     (S * Hq per position, each costing about four times a copied value on a CPU: product,
     exponential, sum, normalisation) cost less than a token's own K and V copies (2 * Hkv * D
@@ -104,31 +107,28 @@ def ragged_paged_attention(
     group = q_heads // kv_heads
     seq, _, valid = token_segments(cu_q_lens, num_tokens)
     q_pos = kv_lens[seq] - (cu_q_lens[seq + 1] - jnp.arange(num_tokens))  # [T]
-    ctx = pages_per_seq * page_size
-    k_seqs = k_pages[page_indices].reshape(num_seqs, ctx, kv_heads, head_dim)  # [S, ctx, Hkv, D]
-    v_seqs = v_pages[page_indices].reshape(num_seqs, ctx, kv_heads, head_dim)
-    if per_sequence:
-        k_all = k_seqs.reshape(num_seqs * ctx, kv_heads, head_dim)  # [S * ctx, Hkv, D]
-        v_all = v_seqs.reshape(num_seqs * ctx, kv_heads, head_dim)
-        key_seq = jnp.repeat(jnp.arange(num_seqs), ctx)  # [S * ctx]
-        key_pos = jnp.tile(jnp.arange(ctx), num_seqs)
-    else:
-        # Transposed once here rather than once per query token inside the loop.
-        k_seqs = k_seqs.transpose(0, 2, 3, 1)  # [S, Hkv, D, ctx]
-        v_seqs = v_seqs.transpose(0, 2, 1, 3)  # [S, Hkv, ctx, D]
+    chunk_pages = max(1, min(pages_per_seq, KV_CHUNK // page_size))
+    num_chunks = -(-pages_per_seq // chunk_pages)
+    # Padded with the null page so that every chunk's slice lies inside the table.
+    page_indices = jnp.pad(page_indices, ((0, 0), (0, num_chunks * chunk_pages - pages_per_seq)))
+    chunk = chunk_pages * page_size
 
-    def attend_block(block):  # one block of B query tokens -> [B, Hkv, G, D]
+    def attend_chunk(c, carry, block):  # adds context chunk c to a block's running softmax
+        m, total, acc = carry  # [B, Hkv, G] running max, [B, Hkv, G] running sum, [B, Hkv, G, D]
         qg, seq, q_pos, valid = block  # [B, Hkv, G, D], [B], [B], [B]
+        pages = jax.lax.dynamic_slice_in_dim(page_indices, c * chunk_pages, chunk_pages, axis=1)  # [S, P]
+        pos = c * chunk + jnp.arange(chunk)  # [chunk]
         if per_sequence:
-            k, v = k_all, v_all  # [J = S * ctx, Hkv, D]
-            pos = key_pos
-            mask = key_seq[None, :] == seq[:, None]  # [B, J]
+            k = k_pages[pages].reshape(num_seqs * chunk, kv_heads, head_dim)  # [J = S * chunk, Hkv, D]
+            v = v_pages[pages].reshape(num_seqs * chunk, kv_heads, head_dim)
+            mask = jnp.repeat(jnp.arange(num_seqs), chunk)[None, :] == seq[:, None]  # [B, J]
+            pos = jnp.tile(pos, num_seqs)
             scores_eq, out_eq = "tkgd,jkd->tkgj", "tkgj,jkd->tkgd"
         else:
-            k, v = k_seqs[seq], v_seqs[seq]  # [B, Hkv, D, J = ctx], [B, Hkv, J, D]
-            pos = jnp.arange(ctx)
-            mask = jnp.ones((seq.shape[0], ctx), bool)
-            scores_eq, out_eq = "tkgd,tkdj->tkgj", "tkgj,tkjd->tkgd"
+            k = k_pages[pages[seq]].reshape(seq.shape[0], chunk, kv_heads, head_dim)  # [B, J = chunk, Hkv, D]
+            v = v_pages[pages[seq]].reshape(seq.shape[0], chunk, kv_heads, head_dim)
+            mask = jnp.ones((seq.shape[0], chunk), bool)
+            scores_eq, out_eq = "tkgd,tjkd->tkgj", "tkgj,tjkd->tkgd"
         scores = jnp.einsum(scores_eq, qg, k, preferred_element_type=jnp.float32) * sm_scale  # [B, Hkv, G, J]
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -137,9 +137,22 @@ def ragged_paged_attention(
             mask &= pos[None, :] > q_pos[:, None] - sliding_window
         mask &= valid[:, None]
         scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
-        probs = jnp.where(mask[:, None, None, :], probs, 0.0)  # padding rows are all -inf
-        return jnp.einsum(out_eq, probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        probs = jnp.exp(scores - m_new[..., None])  # 0 where masked
+        rescale = jnp.exp(m - m_new)
+        total = total * rescale + probs.sum(axis=-1)
+        out = jnp.einsum(out_eq, probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m_new, total, acc * rescale[..., None] + out
+
+    def attend_block(block):  # one block of B query tokens -> [B, Hkv, G, D]
+        qg, _, q_pos, valid = block
+        last = jnp.max(jnp.where(valid, q_pos, -1))  # -1: a block of padding reads nothing
+        first = jnp.min(jnp.where(valid, q_pos - (sliding_window or num_chunks * chunk) + 1, last))
+        lo, hi = jnp.maximum(first, 0) // chunk, (last + 1 + chunk - 1) // chunk
+        stats = jnp.full(qg.shape[:3], jnp.finfo(jnp.float32).min, jnp.float32)
+        init = (stats, jnp.zeros(qg.shape[:3], jnp.float32), jnp.zeros(qg.shape, jnp.float32))
+        _, total, acc = jax.lax.fori_loop(lo, hi, lambda c, carry: attend_chunk(c, carry, block), init)
+        return acc / jnp.where(total > 0, total, 1.0)[..., None]
 
     block = math.gcd(num_tokens, QUERY_BLOCK)
     qg = q.reshape(num_tokens // block, block, kv_heads, group, head_dim)

@@ -41,11 +41,17 @@ def test_greedy_matches_transformers_under_preemption(tiny_models, arch):
 
 
 def test_no_compiles_after_warm_up(bamba_llm):
-    """After warm-up, a run over mixed prompt lengths compiles nothing new."""
-    before = bamba_llm.engine.runner.num_compiled_steps()
+    """After warm-up, no step of a run over mixed prompt lengths waits for a compile (shapes
+    still compiling in the background are served by larger ready ones), and the background
+    thread ends with every shape ready."""
+    steps = bamba_llm.engine.runner.steps
     prompts, _ = _workload(seed=2, n=12)
     bamba_llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
-    assert bamba_llm.engine.runner.num_compiled_steps() == before
+    assert steps.compiled_on_demand == 0
+    steps.wait()
+    assert len(steps.ready) == len(bamba_llm.engine.shapes())
+    bamba_llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    assert steps.compiled_on_demand == 0 and len(steps.ready) == len(bamba_llm.engine.shapes())
 
 
 def test_streaming_yields_the_same_tokens_as_generate(bamba_llm):

@@ -39,11 +39,15 @@ def test_outputs_identical_with_caching_on_and_off(tmp_path, arch):
     """For every retention interval (dense, sparse, every 8 tokens), under a pool where
     everything evicts."""
     save_tiny_model(arch, tmp_path)
-    pool = dict(num_cache_blocks=SMALL_POOL.get(arch, SMALL_POOL_WITH_ATTENTION))
-    want = _run_workload(LLM(tmp_path, **ARGS, **pool, enable_prefix_caching=False))
+    # The retentions share step shapes, and so the executables of the first one.
+    pool = dict(num_cache_blocks=SMALL_POOL.get(arch, SMALL_POOL_WITH_ATTENTION),
+                compilation_cache_dir=str(tmp_path / "compiled"))
+    want = _run_workload(LLM(tmp_path, **{**ARGS, **pool}, enable_prefix_caching=False))
     retentions = (None, 0, 8) if arch != "llama" else (None,)  # no checkpoints without recurrent layers
+    engines = []  # kept alive: the later ones run the executables the first one compiled
     for retention in retentions:
-        on = LLM(tmp_path, **ARGS, **pool, prefix_cache_retention_interval=retention)
+        on = LLM(tmp_path, **{**ARGS, **pool}, prefix_cache_retention_interval=retention)
+        engines.append(on)
         assert _run_workload(on) == want, f"retention {retention}"
         stats = on.stats()
         assert stats["tokens_hit"] > 0.2 * stats["tokens_asked"], retention

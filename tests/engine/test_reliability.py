@@ -95,7 +95,7 @@ def _runner_points(llm: LLM) -> dict:
     runner = llm.engine.runner
     return {
         "before the device step": (runner, "sample", False),
-        "after the device step took the pools": (runner, "sample_step", True),
+        "after the device step took the pools": (runner, "run_executable", True),
     }
 
 
@@ -175,7 +175,7 @@ def test_a_failed_call_aborts_only_its_own_requests(llm, expected, monkeypatch):
     (recomputed) and give the fresh engine's tokens; the failed call's are gone."""
     stream = llm.generate_stream(WORKLOAD, PARAMS)
     first = next(stream)
-    _fail_on_call(monkeypatch, llm.engine.runner, "sample_step", 1, after=True)
+    _fail_on_call(monkeypatch, llm.engine.runner, "run_executable", 1, after=True)
     with pytest.raises(Boom):
         llm.generate([random_prompt(12, 9)], GREEDY, use_tqdm=False)
     monkeypatch.undo()
@@ -360,7 +360,7 @@ def test_recovery_forgets_the_cache_when_the_pools_were_lost(llm, monkeypatch):
     seen = []
     monkeypatch.setattr(Scheduler, "recover", lambda self, device_state_lost: (seen.append(device_state_lost),
                                                                               recover(self, device_state_lost)))
-    _fail_on_call(monkeypatch, llm.engine.runner, "sample_step", 1, after=True)
+    _fail_on_call(monkeypatch, llm.engine.runner, "run_executable", 1, after=True)
     with pytest.raises(Boom):
         llm.generate(WORKLOAD, PARAMS, use_tqdm=False)
     assert seen == [True] and not llm.engine.scheduler.cache.checkpoints and not llm.engine.scheduler.cache.nodes

@@ -76,13 +76,13 @@ def test_length_and_max_tokens(bamba_llm: LLM):
     ],
 )
 def test_bad_input_is_rejected_before_any_work(bamba_llm: LLM, prompt, params, match):
-    compiled = bamba_llm.engine.runner.num_compiled_steps()
+    compiled = bamba_llm.engine.runner.steps.compiled_on_demand
     good = [2, 3, 4]
     with pytest.raises(ValueError, match=match):
         # the bad request is second: the good one before it must not run either
         bamba_llm.generate([good] + prompt, [SamplingParams(max_tokens=2), params], use_tqdm=False)
     assert not bamba_llm.engine.has_unfinished
-    assert bamba_llm.engine.runner.num_compiled_steps() == compiled
+    assert bamba_llm.engine.runner.steps.compiled_on_demand == compiled
 
 
 def test_unknown_sampling_key_names_the_key():

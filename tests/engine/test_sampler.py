@@ -27,6 +27,7 @@ def _batch(n: int, **overrides) -> SamplingBatch:
         history=np.full((n, 6), -1, np.int32),
         prompt_lens=np.zeros(n, np.int32),
         banned=np.full((n, 4), -1, np.int32),
+        wants_logprobs=np.ones(n, bool),
     )
     for key, value in overrides.items():
         fields[key] = np.asarray(value, dtype=fields[key].dtype)
@@ -117,3 +118,12 @@ def test_banned_tokens_are_never_drawn():
     assert int(sample_tokens(logits, sb, num_logprobs=1).tokens[0]) != 4
     sampled = _draws(logits, n=200)
     assert 4 in set(sampled)  # without the ban it dominates
+
+
+def test_top_logprobs_only_when_some_row_asks():
+    logits = np.random.default_rng(1).normal(size=(2, VOCAB)).astype(np.float32)
+    out = sample_tokens(logits, _batch(2, wants_logprobs=[False, False]), num_logprobs=3)
+    np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
+    np.testing.assert_array_equal(out.top_ids, 0)
+    asked = sample_tokens(logits, _batch(2, wants_logprobs=[False, True]), num_logprobs=3)
+    np.testing.assert_array_equal(asked.top_ids[1], np.argsort(-logits[1])[:3])

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.ragged_paged_attention import reference
 from pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention,
     validate_inputs,
@@ -128,7 +129,21 @@ def test_write_kv_pages_places_each_token():
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_mixed_batch_matches_numpy(group, sliding_window, soft_cap, per_sequence):
     """Decode, prefill, chunked prefill, zero-length sequences and padding tokens at once,
-    with either context layout."""
+    with either context layout (the whole context in one chunk of `KV_CHUNK` positions)."""
+    check_mixed_batch(group, sliding_window, soft_cap, per_sequence)
+
+
+@pytest.mark.parametrize("per_sequence", [True, False], ids=["per-sequence", "per-token"])
+@pytest.mark.parametrize("sliding_window", [None, 6])
+@pytest.mark.parametrize("kv_chunk", [4, 8, 12])  # one, two (the window skips chunks) or three pages
+def test_context_read_in_chunks_matches_numpy(monkeypatch, kv_chunk, sliding_window, per_sequence):
+    """The context in several chunks (the online softmax across them, chunks skipped before
+    the window and after the last query), against the same float64 attention."""
+    monkeypatch.setattr(reference, "KV_CHUNK", kv_chunk)
+    check_mixed_batch(2, sliding_window, 1.5, per_sequence)
+
+
+def check_mixed_batch(group: int, sliding_window: int | None, soft_cap: float | None, per_sequence: bool | None):
     rng = np.random.default_rng(group + 10 * (sliding_window is None) + 100 * (soft_cap is None))
     q_lens, kv_lens = [q for q, _ in MIXED_BATCH], [n for _, n in MIXED_BATCH]
     k_ctx, v_ctx, page_indices, _, (k_pages, v_pages) = fill_pages(rng, kv_lens)

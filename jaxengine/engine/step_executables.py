@@ -1,0 +1,140 @@
+"""A runner's compiled steps, one per step shape: loaded from the store, compiled up front, or
+compiled on a background thread while larger shapes serve.
+
+Any step fits a shape at least as large in every dimension (more padding), so an engine can
+start serving as soon as the largest mixed and decode shapes are ready and let the others
+arrive while it runs (`LLMEngine.warm_up`); a shape some step wanted moves to the front of
+the queue. Loading and XLA's compiler release Python's lock, so a few threads prepare shapes at
+once; the background thread compiles one at a time, stores each, and stops after the one in
+flight when asked (at the latest when the process exits), so the next start loads it.
+"""
+
+import atexit
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import jax
+
+from jaxengine.engine.sampler import SamplingBatch
+from jaxengine.engine.step_store import StepStore
+from jaxengine.models.batch import StepBatch
+
+logger = logging.getLogger(__name__)
+
+WARM_UP_THREADS = 2  # measured on 2 cores: loads 2x, compiles 1.2x faster than one thread
+ShapeKey = tuple[int, int, int, bool]  # tokens, sequences, checkpoint saves, decode
+Item = tuple[StepBatch, SamplingBatch, bool]  # an all-padding batch of a shape; decode or not
+
+_LIVE: "weakref.WeakSet[StepExecutables]" = weakref.WeakSet()
+
+
+def shape_key(batch: StepBatch, decode: bool) -> ShapeKey:
+    return batch.input_ids.shape[0], batch.kv_lens.shape[0], batch.save_seq.shape[0], decode
+
+
+class StepExecutables:
+    """The executables of one runner by shape key."""
+
+    def __init__(self, lower: Callable[[StepBatch, SamplingBatch, bool], jax.stages.Lowered],
+                 file_key: Callable[[StepBatch, SamplingBatch, bool], str], store: StepStore):
+        self._lower, self._file_key, self.store = lower, file_key, store
+        self.ready: dict[ShapeKey, jax.stages.Compiled] = {}
+        self.compiled_on_demand = 0  # steps that waited for a compile: none after a warm-up
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._queue: list[Item] = []  # the background thread's shapes, next first
+        self._queue_lock = threading.Lock()
+        _LIVE.add(self)
+
+    def get(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Compiled:
+        """The executable of this batch's shape, loaded or compiled now if not ready."""
+        key = shape_key(batch, decode)
+        executable = self.ready.get(key)
+        if executable is None:
+            executable = self._load(batch, sampling, decode)
+            if executable is None:
+                executable = self._compile(batch, sampling, decode)
+                self.compiled_on_demand += 1
+            self.ready[key] = executable
+        return executable
+
+    def prepare(self, items: list[Item], *, later: set[ShapeKey] = frozenset(),
+                progress: Callable[[], None] | None = None) -> None:
+        """Makes every item's shape ready: stored ones are loaded and the others compiled, on
+        a few threads; those in `later` that are not stored go to the background thread."""
+        todo = [item for item in items if shape_key(item[0], item[2]) not in self.ready]
+
+        def now(item: Item) -> jax.stages.Compiled | None:
+            executable = self._load(*item)
+            if executable is None and shape_key(item[0], item[2]) not in later:
+                executable = self._compile(*item)
+            return executable
+
+        waiting = []
+        with ThreadPoolExecutor(max(1, min(WARM_UP_THREADS, len(todo)))) as pool:
+            futures = {pool.submit(now, item): i for i, item in enumerate(todo)}
+            for future in as_completed(futures):
+                i, executable = futures[future], future.result()
+                if executable is None:
+                    waiting.append(i)
+                    continue
+                self.ready[shape_key(todo[i][0], todo[i][2])] = executable
+                if progress is not None:
+                    progress()
+        if waiting:
+            self._queue = [todo[i] for i in sorted(waiting)]  # in the order given
+            self._thread = threading.Thread(target=self._compile_all, daemon=True, name="jaxengine-compile")
+            self._thread.start()
+
+    def prefer(self, key: ShapeKey) -> None:
+        """Moves a shape the background thread has yet to compile to the front of its queue
+        (a step wanted it)."""
+        with self._queue_lock:
+            for i, item in enumerate(self._queue):
+                if shape_key(item[0], item[2]) == key:
+                    self._queue.insert(0, self._queue.pop(i))
+                    return
+
+    @property
+    def compiling(self) -> bool:
+        """Whether the background thread still has shapes to compile."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Returns once the background thread has compiled every shape given to it."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def stop(self) -> None:
+        """Stops the background thread after the compile in flight (the rest stay uncompiled)."""
+        self._stop.set()
+        self.wait()
+
+    def _compile_all(self) -> None:
+        while not self._stop.is_set():
+            with self._queue_lock:
+                if not self._queue:
+                    return
+                item = self._queue.pop(0)
+            try:
+                self.ready[shape_key(item[0], item[2])] = self._compile(*item)
+            except Exception as err:  # the larger shapes it fell back to go on serving
+                logger.warning("background compile of a step shape failed (%s: %s)", type(err).__name__, err)
+
+    def _load(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Compiled | None:
+        return self.store.load(self._file_key(batch, sampling, decode))
+
+    def _compile(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Compiled:
+        executable = self._lower(batch, sampling, decode).compile()
+        self.store.save(self._file_key(batch, sampling, decode), executable)
+        return executable
+
+
+@atexit.register
+def _stop_background_compiles() -> None:
+    """An interpreter must not shut down under a compiling thread: wait for the one in flight."""
+    for executables in list(_LIVE):
+        executables.stop()

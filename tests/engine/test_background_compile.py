@@ -1,0 +1,39 @@
+"""Serving while the background thread compiles: steps run in larger ready shapes meanwhile."""
+
+import threading
+
+from jaxengine import LLM, SamplingParams
+from jaxengine.engine.batch_builder import Shape
+from jaxengine.engine.llm_engine import _covers
+from jaxengine.engine.step_executables import StepExecutables
+
+# Token bucket 16, sequence buckets 1 and 2: seven step shapes.
+ARGS = dict(max_model_len=96, page_size=4, max_num_seqs=2, max_num_batched_tokens=16, compilation_cache_dir=None)
+PROMPTS = [[1 + (7 * i + j) % 50 for j in range(5 + 9 * i)] for i in range(3)]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def test_only_the_largest_shapes_wait_and_tokens_are_those_of_exact_shapes(tiny_models, monkeypatch):
+    gate = threading.Event()  # holds the background thread back until the first call is done
+    compile_all = StepExecutables._compile_all
+    monkeypatch.setattr(StepExecutables, "_compile_all", lambda self: (gate.wait(), compile_all(self)))
+    llm = LLM(tiny_models["bamba"][0], **ARGS)  # warm-up with background compiles (the default)
+    steps, shapes = llm.engine.runner.steps, llm.engine.shapes()
+    assert len(steps.ready) < len(shapes)  # the rest was left to the background thread
+    largest_mixed = max((s for s in shapes if not s.decode), key=lambda s: (s.num_tokens, s.num_seqs))
+    assert (largest_mixed.num_tokens, largest_mixed.num_seqs, largest_mixed.num_saves, False) in steps.ready
+    early = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]  # while shapes compile
+    assert steps.compiled_on_demand == 0
+    assert llm.stats()["steps_in_larger_shapes"] > 0 and llm.stats()["step_shapes_not_ready"] > 0
+    gate.set()
+    steps.wait()
+    assert llm.stats()["step_shapes_not_ready"] == 0
+    assert len(steps.ready) == len(shapes)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == early  # every step its own shape
+
+
+def test_a_step_fits_shapes_no_smaller_and_decode_fits_mixed():
+    decode, mixed = Shape(4, 4, True, 1), Shape(16, 4, False, 8)
+    assert _covers(mixed, decode) and not _covers(decode, mixed)
+    assert _covers(Shape(4, 4, True, 4), decode) and not _covers(Shape(4, 4, True, 0), decode)
+    assert not _covers(Shape(16, 1, False, 5), Shape(16, 4, False, 8))
