@@ -1,10 +1,13 @@
 """Output-token throughput of jaxengine against transformers' ``generate`` on CPU.
 
-Both run the same ``BambaForCausalLM`` (hybrid attention + Mamba2) on the same random
-prompts: greedy decoding, end-of-sequence ignored, every request producing exactly
-``--max-tokens`` tokens. By default the model is a ~35M-parameter Bamba built here with
-seeded random weights and saved with ``save_pretrained`` to a temporary directory;
-``--model DIR`` benchmarks an existing model directory instead.
+Both run the same model on the same random prompts: greedy decoding, end-of-sequence
+ignored, every request producing exactly ``--max-tokens`` tokens. By default the model is
+built here with seeded random weights and saved with ``save_pretrained`` to a temporary
+directory: ``--arch bamba`` (the default) a ~35M-parameter ``BambaForCausalLM`` (attention +
+Mamba2), ``--arch qwen3_5`` a ~30M-parameter ``Qwen3_5ForCausalLM`` (Gated DeltaNet + gated
+attention, 3:1, Qwen3.5's head ratios); ``--model DIR`` benchmarks an existing model
+directory instead. transformers runs Qwen3.5's Gated DeltaNet with its PyTorch fallback
+(what it does without the flash-linear-attention package, e.g. on any CPU).
 
 For each batch size the script reports output tokens/s of both and their ratio, the time
 to first token, the time per decode step, and the decode floor: the bytes of weights a
@@ -62,7 +65,14 @@ import jax
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, BambaConfig, BambaForCausalLM, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    BambaConfig,
+    BambaForCausalLM,
+    PreTrainedModel,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
+)
 
 import jaxengine
 from jaxengine import LLM, SamplingParams
@@ -89,7 +99,8 @@ class Timing:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="an existing model directory (default: build a random Bamba)")
+    parser.add_argument("--model", type=Path, help="an existing model directory (default: build a random --arch)")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="bamba", help="the random model to build")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -126,13 +137,25 @@ def warn_if_busy(threads: int, load: float) -> None:
         )
 
 
+# What both random models share: 8 layers, hidden 512, MLP 1536, vocab 8192, tied embeddings.
+_COMMON = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+    dtype="float32",
+)
+
+
 def bamba_config() -> BambaConfig:
-    """8 layers (2 attention, 6 Mamba2), hidden 512, Mamba heads 16 x 64, vocab 8192."""
+    """2 attention and 6 Mamba2 layers, Mamba heads 16 x 64, state 64."""
     return BambaConfig(
-        vocab_size=8192,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=8,
+        **_COMMON,
         attn_layer_indices=[2, 5],
         num_attention_heads=8,
         num_key_value_heads=4,
@@ -143,20 +166,34 @@ def bamba_config() -> BambaConfig:
         mamba_n_groups=1,
         mamba_d_conv=4,
         mamba_chunk_size=64,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        dtype="float32",
     )
 
 
+def qwen3_5_config() -> Qwen3_5TextConfig:
+    """6 Gated DeltaNet and 2 gated attention layers; DeltaNet 4 key heads and 8 value heads of
+    64 (Qwen3.5's 1:2), a state of 8 x 64 x 64 per layer."""
+    return Qwen3_5TextConfig(
+        **_COMMON,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+    )
+
+
+ARCHS = {"bamba": (BambaForCausalLM, bamba_config), "qwen3_5": (Qwen3_5ForCausalLM, qwen3_5_config)}
+
+
 @torch.no_grad()
-def build_random_model(path: Path) -> None:
-    """Saves a seeded random Bamba to `path`, with slowly decaying SSM states."""
+def build_random_model(path: Path, arch: str) -> None:
+    """Saves a seeded random model of `arch` to `path`, with slowly decaying recurrent states."""
     torch.manual_seed(SEED)
-    model = BambaForCausalLM(bamba_config()).eval()
+    cls, config = ARCHS[arch]
+    model = cls(config()).eval()
     gen = torch.Generator().manual_seed(SEED)
     for name, p in model.named_parameters():
         noise = 0.3 * torch.randn(p.shape, generator=gen)
@@ -194,6 +231,11 @@ def model_summary(config: transformers.PretrainedConfig) -> dict[str, Any]:
         "mamba_d_state",
         "mamba_chunk_size",
         "tie_word_embeddings",
+        "layer_types",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
     )
     summary = {"architecture": type(config).__name__.removesuffix("Config")}
     return summary | {f: getattr(config, f) for f in fields if hasattr(config, f)}
@@ -373,7 +415,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     return {
         "machine": machine_info(args.threads, load_start),
         "model": {
-            "dir": str(args.model) if args.model else "random BambaForCausalLM (built by this script)",
+            "dir": str(args.model) if args.model else f"random {ARCHS[args.arch][0].__name__} (built by this script)",
             "config": model_summary(model.config),
             "num_parameters": num_params,
             "parameter_bytes": param_bytes,
@@ -408,8 +450,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
-            model_dir = Path(tmp) / "bamba"
-            build_random_model(model_dir)
+            model_dir = Path(tmp) / args.arch
+            build_random_model(model_dir, args.arch)
         report = run(args, model_dir)
     print(format_table(report["results"]))
     load = report["machine"]["load_average_start"], report["machine"]["load_average_end"]

@@ -18,8 +18,8 @@ together, in blocks of one KV page (a checkpoint takes as many blocks as its byt
 a model without attention layers a block is one checkpoint). How it divides between the two
 follows the trace. The running request's own pages and its two live state slots come on top,
 as running sequences' do in the engine. `--model-config` is a Hugging Face `config.json` or
-its directory; KV pages and conv states are stored in `--kv-dtype`, SSM states in
-`--state-dtype`. `--retention` is the engine's `prefix_cache_retention_interval`: `dense`
+its directory; KV pages and conv states are stored in `--kv-dtype`, recurrent states (SSM,
+delta rule) in `--state-dtype`. `--retention` is the engine's `prefix_cache_retention_interval`: `dense`
 (None, the default for models with recurrent layers), `sparse` (0) or `every=N` (N).
 """
 
@@ -30,6 +30,10 @@ import math
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
 from jaxengine.cache import checkpoint_policy
 from jaxengine.cache.block_pool import BlockPool
 from jaxengine.cache.hit_value import ModelCosts
@@ -38,7 +42,9 @@ from jaxengine.cache.prefix_cache import PrefixCache
 from jaxengine.engine.sampling_params import SamplingParams
 from jaxengine.engine.scheduler import Scheduler
 from jaxengine.engine.sequence import Sequence, Status
-from jaxengine.models.config import MlpConfig, ModelConfig, load_model_config
+from jaxengine.models.config import ModelConfig, load_model_config
+from jaxengine.models.loader import abstract_model
+from jaxengine.models.mixers import recurrent_states
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LIVE_SLOTS = 2  # the running request's read and write slots
@@ -136,36 +142,15 @@ def kv_page_bytes(cfg: ModelConfig, page_size: int, kv_bytes: int) -> int:
 
 
 def checkpoint_bytes(cfg: ModelConfig, state_bytes: int, conv_bytes: int) -> int:
-    """Bytes of one recurrent-state checkpoint over all Mamba layers (SSM + conv state); 0 without them."""
-    m = cfg.mamba
-    if m is None:
-        return 0
-    per_layer = m.num_heads * m.head_dim * m.state_size * state_bytes + m.conv_dim * m.conv_kernel * conv_bytes
-    return cfg.num_mamba_layers * per_layer
+    """Bytes of one recurrent-state checkpoint over all recurrent layers, from the state
+    arrays their mixers declare: float32 ones (the recurrent states) at `state_bytes` per
+    element, the others (conv windows) at `conv_bytes`; 0 without recurrent layers."""
+    return sum(a.size * (state_bytes if a.float32 else conv_bytes) for arrays in recurrent_states(cfg) for a in arrays)
 
 
 def num_weights(cfg: ModelConfig) -> int:
-    """The model's weight count from its config (norms, biases and SSM scalars left out)."""
-    h = cfg.hidden_size
-    total = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    for spec in cfg.layers:
-        if spec.mixer == "attention":
-            a = cfg.attention
-            total += h * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim + a.num_heads * a.head_dim * h
-        elif spec.mixer == "mamba":
-            m = cfg.mamba
-            in_proj = h * (m.intermediate_size + m.conv_dim + m.num_heads)  # z | xBC | dt
-            total += in_proj + m.conv_dim * m.conv_kernel + m.intermediate_size * h
-        if spec.ffn == "mlp":
-            total += _mlp_weights(h, cfg.mlp)
-        elif spec.ffn == "moe":
-            moe = cfg.moe
-            total += h * moe.num_experts + moe.num_experts * _mlp_weights(h, moe.expert) + _mlp_weights(h, moe.shared)
-    return total
-
-
-def _mlp_weights(hidden: int, mlp: MlpConfig) -> int:
-    return (3 if mlp.gated else 2) * hidden * mlp.intermediate_size
+    """The model's parameter count, from its structure (no values are made)."""
+    return sum(leaf.size for leaf in jax.tree.leaves(nnx.state(abstract_model(cfg, jnp.float32))))
 
 
 def sizes(cfg: ModelConfig, budget_bytes: int, page_size: int, kv_bytes: int, state_bytes: int,
@@ -282,7 +267,7 @@ def format_report(result: dict) -> str:
     b, kv, ssm, s = result["budget"], result["kv"], result["ssm"], result["settings"]
     return "\n".join([
         f"trace {s['trace']}: {result['requests']} requests, {result['input_tokens']} input tokens",
-        f"model {s['architecture']}: {s['attention_layers']} attention + {s['mamba_layers']} Mamba layers; "
+        f"model {s['architecture']}: {s['attention_layers']} attention + {s['recurrent_layers']} recurrent layers; "
         f"page {s['page_size']} tokens = {kv['page_bytes']} B, one checkpoint = {ssm['checkpoint_bytes']} B "
         f"({ssm['checkpoint_blocks']} blocks of {b['block_bytes']} B)",
         f"budget {b['budget_bytes']:.4g} B ({b['budget_blocks']} blocks) for KV pages and checkpoints together; "
@@ -334,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = summary(requests, hits, sched, s)
     result["settings"] = {
         "trace": str(args.trace), "model_config": str(args.model_config), "architecture": cfg.architecture,
-        "attention_layers": cfg.num_attention_layers, "mamba_layers": cfg.num_mamba_layers,
+        "attention_layers": cfg.num_attention_layers, "recurrent_layers": cfg.num_recurrent_layers,
         "page_size": args.page_size, "kv_dtype": args.kv_dtype, "state_dtype": args.state_dtype,
         "retention": args.retention, "retention_interval": retention, "seconds": time.perf_counter() - start,
     }

@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 from jaxengine.cache import checkpoint_policy
+from jaxengine.engine.pools import recurrent_block_elems
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.kernels import KERNELS
 
@@ -105,7 +106,7 @@ class EngineConfig:
         """The retention interval and why it was chosen (for the start-up log line)."""
         if self.prefix_cache_retention_interval != AUTO:
             return self.prefix_cache_retention_interval, "as given"
-        if model.num_mamba_layers:
+        if model.num_recurrent_layers:
             return checkpoint_policy.DENSE, "the default for models with recurrent layers"
         return checkpoint_policy.SPARSE, "the model has no recurrent layers, so there are no checkpoints"
 
@@ -115,8 +116,7 @@ class EngineConfig:
         if model.num_attention_layers:
             a = model.attention
             return 2 * self.page_size * a.num_kv_heads * a.head_dim * self.dtype_bytes * model.num_attention_layers
-        m = model.mamba
-        return (m.conv_dim * m.conv_kernel + m.num_heads * m.head_dim * m.state_size * 4 // self.dtype_bytes) * self.dtype_bytes
+        return recurrent_block_elems(model, self.dtype) * self.dtype_bytes
 
     def resolved_num_cache_blocks(self, model: ModelConfig, blocks_per_checkpoint: int) -> int:
         """Blocks in the cache pool, the null block included."""

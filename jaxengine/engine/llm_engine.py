@@ -69,7 +69,7 @@ class LLMEngine:
             value=self._costs(cfg, params, blocks_per_checkpoint).value_fn(),
             enabled=caching,
         )
-        slots = LiveSlots(config.resolved_num_ssm_slots()) if cfg.num_mamba_layers else None
+        slots = LiveSlots(config.resolved_num_ssm_slots()) if cfg.num_recurrent_layers else None
         self.runner = ModelRunner(
             cfg, graphdef, params,
             num_blocks=num_blocks,
@@ -77,6 +77,7 @@ class LLMEngine:
             num_slots=slots.num_slots if slots else 2,
             num_logprobs=config.max_logprobs,
             store=StepStore(cache_dir),
+            kernels=config.kernels,
         )
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
@@ -96,7 +97,7 @@ class LLMEngine:
             blocks_per_checkpoint=blocks_per_checkpoint if caching else 0,  # no hits to read without caching
             saves_checkpoints=caching and blocks_per_checkpoint > 0,
         )
-        if caching and cfg.num_mamba_layers:
+        if caching and cfg.num_recurrent_layers:
             logger.info(
                 "prefix cache: retention %s (prefix_cache_retention_interval=%r, %s); one checkpoint = %d blocks "
                 "of %d bytes in a pool of %d blocks",

@@ -66,8 +66,12 @@ class ModelRunner:
         num_logprobs: int = 20,
         mesh: Mesh | None = None,
         store: StepStore | None = None,
+        kernels: str = "auto",
     ):
         self.cfg = cfg
+        # What the compiled step bakes in besides its argument shapes: the model's settings
+        # (norm epsilons, multipliers, routing, ...) and the kernels its graph calls.
+        self._baked = repr((cfg, kernels))
         self.page_size = page_size
         self.num_logprobs = num_logprobs
         self.mesh = mesh or Mesh(np.array(jax.devices()[:1]), ("model",))
@@ -130,7 +134,7 @@ class ModelRunner:
         return self.sample_step.lower(**self._step_args(batch, sampling), decode=decode, num_logprobs=self.num_logprobs)
 
     def _file_key(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> str:
-        static = dict(decode=decode, num_logprobs=self.num_logprobs)
+        static = dict(decode=decode, num_logprobs=self.num_logprobs, model=self._baked)
         return self.steps.store.key(static, *self._step_args(batch, sampling).values())
 
     def _step_args(self, batch: StepBatch, sampling: SamplingBatch) -> dict:

@@ -7,20 +7,26 @@ from flax import nnx
 from jaxengine.models.batch import StepBatch, TokenLayout
 from jaxengine.models.config import AttentionConfig
 from jaxengine.models.kernels import KernelOps
-from jaxengine.models.layers import apply_rope, linear
+from jaxengine.models.layers import RMSNorm, apply_rope, linear
 
 
 class Attention(nnx.Module):
-    """Projects, rotates, writes this step's K/V into its pages and attends over each
-    sequence's pages with ragged paged attention."""
+    """Projects (q_proj: each head's query, then its gate with `output_gate`), normalises
+    each head's q and k (`qk_norm`), rotates, writes this step's K/V into its pages, attends
+    over each sequence's pages with ragged paged attention and gates the output."""
 
-    def __init__(self, hidden_size: int, cfg: AttentionConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden_size: int, cfg: AttentionConfig, eps: float, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = linear(hidden_size, q_width, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        q_out = 2 * q_width if cfg.output_gate else q_width
+        self.q_proj = linear(hidden_size, q_out, bias=cfg.bias, dtype=dtype, rngs=rngs)
         self.k_proj = linear(hidden_size, kv_width, bias=cfg.bias, dtype=dtype, rngs=rngs)
         self.v_proj = linear(hidden_size, kv_width, bias=cfg.bias, dtype=dtype, rngs=rngs)
         self.o_proj = linear(q_width, hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        if cfg.qk_norm:
+            norm = dict(dtype=dtype, weight_offset=cfg.qk_norm_offset)
+            self.q_norm = RMSNorm(cfg.head_dim, eps, **norm)
+            self.k_norm = RMSNorm(cfg.head_dim, eps, **norm)
 
     def __call__(
         self,
@@ -33,9 +39,13 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, D], new k_pages, new v_pages
         cfg = self.cfg
         num_tokens = x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        q = self.q_proj(x).reshape(num_tokens, cfg.num_heads, -1)
+        if cfg.output_gate:
+            q, gate = jnp.split(q, 2, axis=-1)  # [T, H, head_dim] each
         k = self.k_proj(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = self.v_proj(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if cfg.rotary_dim:
             q = apply_rope(q, layout.positions, cfg.rotary_dim, cfg.rope_theta)
             k = apply_rope(k, layout.positions, cfg.rotary_dim, cfg.rope_theta)
@@ -43,4 +53,6 @@ class Attention(nnx.Module):
         out = ops.ragged_paged_attention(
             q, k_pages, v_pages, batch.kv_lens, batch.page_table, batch.cu_q_lens, sm_scale=cfg.sm_scale
         )
+        if cfg.output_gate:
+            out = out * jax.nn.sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, -1)), k_pages, v_pages

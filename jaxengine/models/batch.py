@@ -44,13 +44,13 @@ class Pools:
     The cache blocks are the KV page arrays: a block is one page of each (KV pages and
     recurrent-state checkpoints share them, see `checkpoint_store.py`); a model without
     attention layers keeps its checkpoints in `checkpoints` instead. The live state slots of
-    running sequences are separate, one entry per Mamba layer."""
+    running sequences are separate: per recurrent layer, one array per state array its mixer
+    declares (`mixer_state.py`)."""
 
     k_pages: tuple[jax.Array, ...]  # each [num_blocks, page_size, kv_heads, head_dim]
     v_pages: tuple[jax.Array, ...]  # each [num_blocks, page_size, kv_heads, head_dim]
     checkpoints: tuple[jax.Array, ...]  # () or ([num_blocks, layer_state_elems],) without attention layers
-    conv_states: tuple[jax.Array, ...]  # each [num_slots, conv_dim, conv_kernel]
-    ssm_states: tuple[jax.Array, ...]  # each [num_slots, heads, head_dim, state_size] float32
+    states: tuple[tuple[jax.Array, ...], ...]  # per recurrent layer, each [num_slots, *declared shape]
 
     def store_arrays(self) -> list[jax.Array]:
         """The arrays checkpoints are stored in: k0, v0, k1, v1, ... (or `checkpoints`)."""
@@ -58,10 +58,10 @@ class Pools:
             return [a for kv in zip(self.k_pages, self.v_pages) for a in kv]
         return list(self.checkpoints)
 
-    def with_store(self, arrays: list[jax.Array], conv_states: tuple, ssm_states: tuple) -> "Pools":
+    def with_store(self, arrays: list[jax.Array], states: tuple[tuple[jax.Array, ...], ...]) -> "Pools":
         if self.k_pages:
-            return Pools(tuple(arrays[0::2]), tuple(arrays[1::2]), (), conv_states, ssm_states)
-        return Pools((), (), tuple(arrays), conv_states, ssm_states)
+            return Pools(tuple(arrays[0::2]), tuple(arrays[1::2]), (), states)
+        return Pools((), (), tuple(arrays), states)
 
 
 class TokenLayout(NamedTuple):

@@ -6,13 +6,13 @@ k0, v0, k1, v1, ... (a model without attention layers has one store array of its
 block is one page of every store array, and a *unit* is one page of one store array. A
 checkpoint spans `blocks_per_checkpoint` blocks, the same offsets in every store array.
 
-Each recurrent layer's state (conv state then SSM state, flattened) is cut into *pieces* of
-whole units; a piece lies in one store array, in consecutive blocks of the checkpoint, so
+Each recurrent layer's state (its mixer's declared arrays in order, flattened, see
+`mixer_state.py`) is cut into *pieces* of whole units; a piece lies in one store array, in consecutive blocks of the checkpoint, so
 saving or restoring a layer is one scatter or gather per piece. Pieces are spread over the
 arrays so that they fill about the same number of blocks.
 
-The SSM state is float32. A float32 store (float32 models) keeps it exactly; a bfloat16 store
-keeps each value as the sum of two bfloat16 numbers (its rounding and the rounding of the
+Arrays declared float32 (the recurrent states) stay float32: a float32 store (float32 models)
+keeps them exactly; a bfloat16 store keeps each value as the sum of two bfloat16 numbers (its rounding and the rounding of the
 rest), 16 significant bits, a relative error below 2**-16. Raw float32 bits split into two
 bfloat16 halves would not do: a half can be a NaN bit pattern, and XLA may rewrite NaN
 payloads in any bfloat16 operation, including the KV page writes into the same arrays.
@@ -27,7 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxengine.models.config import ModelConfig
+from jaxengine.models.mixer_state import StateArray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +43,7 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class LayerLayout:
-    conv_shape: tuple[int, ...]  # [conv_dim, K], store dtype
-    ssm_shape: tuple[int, ...]  # [H, P, N], float32
+    arrays: tuple[StateArray, ...]  # the layer's declared state, in flattening order
     pieces: tuple[Piece, ...]
 
 
@@ -62,38 +61,44 @@ class CheckpointLayout:
     def unit_elems(self) -> int:
         return math.prod(self.unit_shape)
 
-    def _flat_size(self, layer: LayerLayout) -> int:
-        return math.prod(layer.conv_shape) + math.prod(layer.ssm_shape) * _f32_words(self.store_dtype)
-
-    def read(self, arrays: list[jax.Array], blocks: jax.Array, j: int) -> tuple[jax.Array, jax.Array]:
-        """Layer `j`'s conv [S, conv_dim, K] and SSM [S, H, P, N] float32 states of the
-        checkpoints at `blocks` [S, blocks_per_checkpoint]."""
+    def read(self, arrays: list[jax.Array], blocks: jax.Array, j: int) -> tuple[jax.Array, ...]:
+        """Layer `j`'s state arrays, each [S, *shape], of the checkpoints at `blocks`
+        [S, blocks_per_checkpoint]."""
         layer = self.layers[j]
         num = blocks.shape[0]
         parts = [
             arrays[p.array][blocks[:, p.first_block : p.first_block + p.num_units]].reshape(num, -1)
             for p in layer.pieces
         ]
-        flat = jnp.concatenate(parts, axis=1)[:, : self._flat_size(layer)]
-        conv_size = math.prod(layer.conv_shape)
-        conv = flat[:, :conv_size].reshape(num, *layer.conv_shape)
-        ssm = flat[:, conv_size:].astype(jnp.float32)
-        if _f32_words(self.store_dtype) == 2:
-            pairs = ssm.reshape(num, -1, 2)
-            ssm = pairs[..., 0] + pairs[..., 1]
-        return conv, ssm.reshape(num, *layer.ssm_shape)
+        flat = jnp.concatenate(parts, axis=1)
+        out, offset = [], 0
+        for a in layer.arrays:
+            words = _words(a, self.store_dtype)
+            values = flat[:, offset : offset + a.size * words]
+            offset += a.size * words
+            if a.float32:
+                values = values.astype(jnp.float32)
+                if words == 2:
+                    pairs = values.reshape(num, -1, 2)
+                    values = pairs[..., 0] + pairs[..., 1]
+            out.append(values.reshape(num, *a.shape))
+        return tuple(out)
 
-    def write(self, arrays: list[jax.Array], blocks: jax.Array, j: int, conv: jax.Array, ssm: jax.Array) -> None:
-        """Stores layer `j`'s states conv [C, conv_dim, K] and SSM [C, H, P, N] into the
-        checkpoints at `blocks` [C, blocks_per_checkpoint] (in place in `arrays`)."""
+    def write(self, arrays: list[jax.Array], blocks: jax.Array, j: int, states: tuple[jax.Array, ...]) -> None:
+        """Stores layer `j`'s state arrays `states` (each [C, *shape]) into the checkpoints at
+        `blocks` [C, blocks_per_checkpoint] (in place in `arrays`)."""
         layer = self.layers[j]
         num = blocks.shape[0]
-        ssm = ssm.astype(jnp.float32).reshape(num, -1)
-        if _f32_words(self.store_dtype) == 2:
-            high = ssm.astype(self.store_dtype)
-            low = (ssm - high.astype(jnp.float32)).astype(self.store_dtype)
-            ssm = jnp.stack([high, low], axis=-1).reshape(num, -1)
-        flat = jnp.concatenate([conv.astype(self.store_dtype).reshape(num, -1), ssm.astype(self.store_dtype)], axis=1)
+        parts = []
+        for a, values in zip(layer.arrays, states):
+            if a.float32:
+                values = values.astype(jnp.float32).reshape(num, -1)
+                if _words(a, self.store_dtype) == 2:
+                    high = values.astype(self.store_dtype)
+                    low = (values - high.astype(jnp.float32)).astype(self.store_dtype)
+                    values = jnp.stack([high, low], axis=-1)
+            parts.append(values.astype(self.store_dtype).reshape(num, -1))
+        flat = jnp.concatenate(parts, axis=1)
         total_units = sum(p.num_units for p in layer.pieces)
         flat = jnp.pad(flat, ((0, 0), (0, total_units * self.unit_elems - flat.shape[1])))
         units = flat.reshape(num, total_units, *self.unit_shape)
@@ -110,37 +115,40 @@ def _f32_words(store_dtype: jnp.dtype) -> int:
     return 4 // size
 
 
-def recurrent_unit_elems(cfg: ModelConfig, store_dtype: jnp.dtype) -> int:
-    """Store elements of one recurrent layer's state: a block's size for models without
-    attention layers (one unit per layer)."""
-    m = cfg.mamba
-    return m.conv_dim * m.conv_kernel + m.num_heads * m.head_dim * m.state_size * _f32_words(store_dtype)
+def _words(array: StateArray, store_dtype: jnp.dtype) -> int:
+    """Store elements per element of `array`."""
+    return _f32_words(store_dtype) if array.float32 else 1
+
+
+def stored_elems(arrays: tuple[StateArray, ...], store_dtype: jnp.dtype) -> int:
+    """Store elements of one layer's state."""
+    return sum(a.size * _words(a, store_dtype) for a in arrays)
 
 
 def checkpoint_layout(
-    cfg: ModelConfig, unit_shape: tuple[int, ...], store_dtype: jnp.dtype, num_arrays: int
+    states: list[tuple[StateArray, ...]], unit_shape: tuple[int, ...], store_dtype: jnp.dtype, num_arrays: int
 ) -> CheckpointLayout | None:
-    """The layout of one checkpoint of every recurrent layer of `cfg` over `num_arrays` store
-    arrays of pages `unit_shape`; None for a model without recurrent layers."""
-    if not cfg.num_mamba_layers:
+    """The layout of one checkpoint of every recurrent layer, whose declared states are
+    `states` (in layer order), over `num_arrays` store arrays of pages `unit_shape`; None
+    for a model without recurrent layers."""
+    if not states:
         return None
-    m = cfg.mamba
-    conv_shape, ssm_shape = (m.conv_dim, m.conv_kernel), (m.num_heads, m.head_dim, m.state_size)
     unit_elems = math.prod(unit_shape)
-    layer_units = math.ceil(recurrent_unit_elems(cfg, store_dtype) / unit_elems)
-    num_layers = cfg.num_mamba_layers
+    num_layers = len(states)
     # Split each layer into just enough pieces that they spread evenly over the arrays (6
     # layers over 4 arrays: halves; 1 layer over 8 arrays: eighths; 24 over 8: whole layers).
-    split = max(1, min(layer_units, num_arrays // math.gcd(num_layers, num_arrays)))
+    split = num_arrays // math.gcd(num_layers, num_arrays)
     filled = [0] * num_arrays  # blocks used so far in each array
     layers = []
-    for _ in range(num_layers):
+    for arrays in states:
+        layer_units = math.ceil(stored_elems(arrays, store_dtype) / unit_elems)
         pieces, start = [], 0
-        for s in range(split):
-            size = layer_units // split + (1 if s < layer_units % split else 0)
+        num_pieces = max(1, min(layer_units, split))
+        for s in range(num_pieces):
+            size = layer_units // num_pieces + (1 if s < layer_units % num_pieces else 0)
             array = min(range(num_arrays), key=lambda a: filled[a])
             pieces.append(Piece(array, filled[array], start, size))
             filled[array] += size
             start += size
-        layers.append(LayerLayout(conv_shape, ssm_shape, tuple(pieces)))
+        layers.append(LayerLayout(tuple(arrays), tuple(pieces)))
     return CheckpointLayout(tuple(unit_shape), jnp.dtype(store_dtype), num_arrays, tuple(layers), max(filled))

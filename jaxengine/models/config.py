@@ -1,7 +1,7 @@
 """Model configuration: one frozen dataclass that every supported architecture maps onto.
 
-A model is a stack of layers, each with an optional *mixer* (attention or Mamba2) and an
-optional *feed-forward* (gated MLP, squared-ReLU MLP, or mixture of experts), both pre-norm
+A model is a stack of layers, each with an optional *mixer* (attention, Mamba2 or Gated
+DeltaNet) and an optional *feed-forward* (gated MLP, squared-ReLU MLP, or mixture of experts), both pre-norm
 residual branches. The per-architecture functions below read a Hugging Face config and fill
 this table; the model code only ever sees `ModelConfig`.
 """
@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from transformers import AutoConfig, PretrainedConfig
 
-Mixer = Literal["attention", "mamba"]
+Mixer = Literal["attention", "mamba", "gated_delta"]  # the types of `jaxengine/models/mixers.py`
 FeedForward = Literal["mlp", "moe"]
 
 
@@ -29,7 +29,11 @@ class LayerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Grouped-query attention with optional (partial) rotary embeddings."""
+    """Grouped-query attention with optional (partial) rotary embeddings.
+
+    `output_gate`: `q_proj` emits each head's query and a gate, and the attention output is
+    multiplied by sigmoid(gate) (Qwen3-Next, Qwen3.5). `qk_norm`: an RMS norm over each
+    head's query and key before the rotary embedding, scaling by `qk_norm_offset + w`."""
 
     num_heads: int
     num_kv_heads: int
@@ -38,6 +42,9 @@ class AttentionConfig:
     rope_theta: float
     sm_scale: float
     bias: bool
+    output_gate: bool = False
+    qk_norm: bool = False
+    qk_norm_offset: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +71,39 @@ class MambaConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GatedDeltaConfig:
+    """A Gated DeltaNet mixer (Qwen3-Next, Qwen3.5): value heads grouped over key heads.
+
+    The input projection is one matrix, output columns q | k | v | z | b | a (the loader
+    assembles it from either checkpoint layout). `chunk_size` is the scan's, not the model's:
+    any value gives the same outputs."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    chunk_size: int = 64
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q | k | v."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def projection_size(self) -> int:
+        return self.conv_dim + self.value_dim + 2 * self.num_value_heads
+
+
+@dataclasses.dataclass(frozen=True)
 class MlpConfig:
     """A dense feed-forward: gated (`act(gate) * up`) or plain (`act(up)`)."""
 
@@ -78,15 +118,19 @@ class MoeConfig:
     """Routed experts plus an always-on shared expert.
 
     `router="softmax_topk"`: Granite's top-k of the router logits, softmaxed over the k.
+    `router="softmax"`: Qwen's softmax over all experts, top-k of it, renormalised over the k
+    when `norm_topk_prob`.
     `router="sigmoid_grouped"`: Nemotron-H's sigmoid scores, bias-corrected group-limited
     selection, optionally renormalised, times `routed_scaling_factor`.
+    `shared_gate`: the shared expert's output is multiplied by sigmoid(x . w) (Qwen).
     """
 
     num_experts: int
     top_k: int
     expert: MlpConfig
     shared: MlpConfig
-    router: Literal["softmax_topk", "sigmoid_grouped"]
+    router: Literal["softmax_topk", "softmax", "sigmoid_grouped"]
+    shared_gate: bool = False
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = False
@@ -107,10 +151,12 @@ class ModelConfig:
     mamba: MambaConfig | None
     mlp: MlpConfig | None
     moe: MoeConfig | None
+    gated_delta: GatedDeltaConfig | None = None
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     norm_weight_in_fp32: bool = False  # Nemotron-H scales by the norm weight before casting back
+    norm_weight_offset: float = 0.0  # 1.0: zero-centred norm weights, scale by 1 + w (Qwen3-Next, Qwen3.5)
     max_position_embeddings: int = 4096
     eos_token_ids: tuple[int, ...] = ()
 
@@ -119,8 +165,9 @@ class ModelConfig:
         return sum(spec.mixer == "attention" for spec in self.layers)
 
     @property
-    def num_mamba_layers(self) -> int:
-        return sum(spec.mixer == "mamba" for spec in self.layers)
+    def num_recurrent_layers(self) -> int:
+        """Layers whose mixer keeps a per-sequence state (every mixer but attention)."""
+        return sum(spec.mixer not in (None, "attention") for spec in self.layers)
 
 
 def _fail(architecture: str, field: str, value: Any, supported: str) -> None:
@@ -352,12 +399,95 @@ def _nemotron_h(hf: PretrainedConfig) -> ModelConfig:
     )
 
 
+def _qwen_gated_delta(hf: PretrainedConfig, arch: str) -> ModelConfig:
+    """Qwen3-Next and Qwen3.5 (dense and MoE): Gated DeltaNet and gated attention layers,
+    zero-centred norms. Text only: with the same position on its three axes, Qwen3.5's
+    multimodal rotary embedding is the plain (partial) one."""
+    act = _activation(hf, "hidden_act", arch, ("silu",))
+    table = {"linear_attention": "gated_delta", "full_attention": "attention"}
+    for t in hf.layer_types:
+        if t not in table:
+            _fail(arch, "layer_types", t, ", ".join(table))
+    if hf.linear_num_value_heads % hf.linear_num_key_heads:
+        _fail(arch, "linear_num_value_heads", hf.linear_num_value_heads,
+              f"a multiple of linear_num_key_heads={hf.linear_num_key_heads}")
+    gated_delta = GatedDeltaConfig(
+        num_key_heads=hf.linear_num_key_heads,
+        num_value_heads=hf.linear_num_value_heads,
+        key_head_dim=hf.linear_key_head_dim,
+        value_head_dim=hf.linear_value_head_dim,
+        conv_kernel=hf.linear_conv_kernel_dim,
+    )
+    attention = dataclasses.replace(
+        _attention(hf, arch, use_rope=True), output_gate=True, qk_norm=True, qk_norm_offset=1.0
+    )
+    moe, moe_layers = None, set()
+    num_experts = getattr(hf, "num_experts", 0) or 0
+    if num_experts:
+        moe = MoeConfig(
+            num_experts=num_experts,
+            top_k=hf.num_experts_per_tok,
+            expert=MlpConfig(hf.moe_intermediate_size, act, gated=True, bias=False),
+            shared=MlpConfig(hf.shared_expert_intermediate_size, act, gated=True, bias=False),
+            router="softmax",
+            shared_gate=True,
+            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),  # Qwen3.5-MoE always renormalises
+        )
+        step = getattr(hf, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(hf, "mlp_only_layers", None) or [])
+        moe_layers = {i for i in range(hf.num_hidden_layers) if i not in dense and (i + 1) % step == 0}
+    intermediate = getattr(hf, "intermediate_size", None)
+    mlp = MlpConfig(intermediate, act, gated=True, bias=False) if len(moe_layers) < hf.num_hidden_layers else None
+    return ModelConfig(
+        **_common(hf, arch),
+        layers=tuple(LayerSpec(table[t], "moe" if i in moe_layers else "mlp") for i, t in enumerate(hf.layer_types)),
+        rms_norm_eps=hf.rms_norm_eps,
+        attention=attention,
+        mamba=None,
+        mlp=mlp,
+        moe=moe,
+        gated_delta=gated_delta,
+        norm_weight_offset=1.0,
+    )
+
+
+def _qwen3_next(hf: PretrainedConfig) -> ModelConfig:
+    return _qwen_gated_delta(hf, "Qwen3NextForCausalLM")
+
+
+def _qwen3_5(hf: PretrainedConfig) -> ModelConfig:
+    return _qwen_gated_delta(hf, "Qwen3_5ForCausalLM")
+
+
+def _qwen3_5_moe(hf: PretrainedConfig) -> ModelConfig:
+    return _qwen_gated_delta(hf, "Qwen3_5MoeForCausalLM")
+
+
+def _text_model(text_architecture: str) -> Callable[[PretrainedConfig], ModelConfig]:
+    """A vision-language checkpoint served as its text model (`text_config`); whether the
+    output projection is tied is the outer config's say, as in transformers."""
+
+    def read(hf: PretrainedConfig) -> ModelConfig:
+        text = getattr(hf, "text_config", None)
+        if text is None:
+            _fail(text_architecture, "text_config", None, "the text model's config")
+        cfg = ARCHITECTURES[text_architecture](text)
+        return dataclasses.replace(cfg, tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)))
+
+    return read
+
+
 ARCHITECTURES: dict[str, Callable[[PretrainedConfig], ModelConfig]] = {
     "LlamaForCausalLM": _llama,
     "Mamba2ForCausalLM": _mamba2,
     "BambaForCausalLM": _bamba,
     "GraniteMoeHybridForCausalLM": _granite_moe_hybrid,
     "NemotronHForCausalLM": _nemotron_h,
+    "Qwen3NextForCausalLM": _qwen3_next,
+    "Qwen3_5ForCausalLM": _qwen3_5,
+    "Qwen3_5MoeForCausalLM": _qwen3_5_moe,
+    "Qwen3_5ForConditionalGeneration": _text_model("Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": _text_model("Qwen3_5MoeForCausalLM"),
 }
 
 

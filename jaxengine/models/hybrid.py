@@ -1,8 +1,8 @@
 """The hybrid decoder stack, built from the layer table of a `ModelConfig`.
 
-One class serves every supported architecture: each layer is an optional mixer (attention
-or Mamba2) and an optional feed-forward (MLP or MoE), each a pre-norm residual branch scaled
-by `residual_multiplier`. The model knows nothing of scheduling: it takes a `StepBatch` and
+One class serves every supported architecture: each layer is an optional mixer (any type of
+`mixers.py`) and an optional feed-forward (MLP or MoE), each a pre-norm residual branch
+scaled by `residual_multiplier`. The model knows nothing of scheduling: it takes a `StepBatch` and
 the pools and returns logits and the updated pools.
 """
 
@@ -10,27 +10,34 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxengine.models.attention import Attention
 from jaxengine.models.batch import Pools, StepBatch, TokenLayout, token_layout
 from jaxengine.models.checkpoint_store import checkpoint_layout
 from jaxengine.models.config import LayerSpec, ModelConfig
 from jaxengine.models.kernels import KernelOps, kernel_ops
 from jaxengine.models.layers import Mlp, Moe, RMSNorm, linear
-from jaxengine.models.mamba2 import Mamba2Mixer
+from jaxengine.models.mixer_state import initial_states, written_pools
+from jaxengine.models.mixers import MIXERS, recurrent_states
+
+
+def norm_settings(cfg: ModelConfig, dtype: jnp.dtype) -> dict:
+    """The keyword arguments of the model's residual-stream RMS norms."""
+    return dict(eps=cfg.rms_norm_eps, dtype=dtype, weight_in_fp32=cfg.norm_weight_in_fp32,
+                weight_offset=cfg.norm_weight_offset)
 
 
 class DecoderLayer(nnx.Module):
-    """`x + r * mixer(norm(x))`, then `x + r * ffn(norm(x))`, each branch when present."""
+    """`x + r * mixer(norm(x))`, then `x + r * ffn(norm(x))`, each branch when present.
+
+    The mixer is the attribute named after its type ("attention", "mamba", ...)."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.spec = spec
-        norm = dict(eps=cfg.rms_norm_eps, dtype=dtype, weight_in_fp32=cfg.norm_weight_in_fp32)
+        norm = norm_settings(cfg, dtype)
         if spec.mixer is not None:
             self.mixer_norm = RMSNorm(cfg.hidden_size, **norm)
-        if spec.mixer == "attention":
-            self.attention = Attention(cfg.hidden_size, cfg.attention, dtype=dtype, rngs=rngs)
-        elif spec.mixer == "mamba":
-            self.mamba = Mamba2Mixer(cfg.hidden_size, cfg.mamba, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+            kind = MIXERS[spec.mixer]
+            mixer = kind.module(cfg.hidden_size, kind.config(cfg), cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+            setattr(self, spec.mixer, mixer)
         if spec.ffn is not None:
             self.ffn_norm = RMSNorm(cfg.hidden_size, **norm)
         if spec.ffn == "mlp":
@@ -40,16 +47,14 @@ class DecoderLayer(nnx.Module):
 
 
 class HybridLM(nnx.Module):
-    """A causal language model over the paged KV pool and the SSM state pool."""
+    """A causal language model over the paged KV pool and the recurrent-state pools."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, kernels: str = "auto"):
         self.cfg = cfg
         self.kernels = kernels
         self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))  # [V, D]
         self.layers = nnx.List([DecoderLayer(cfg, spec, dtype=dtype, rngs=rngs) for spec in cfg.layers])
-        self.final_norm = RMSNorm(
-            cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, weight_in_fp32=cfg.norm_weight_in_fp32
-        )
+        self.final_norm = RMSNorm(cfg.hidden_size, **norm_settings(cfg, dtype))
         if not cfg.tie_word_embeddings:
             self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
 
@@ -67,27 +72,34 @@ class HybridLM(nnx.Module):
         # The cache blocks: KV pages of attention layer l are store[2l] and store[2l + 1];
         # checkpoints lie across all of them (`checkpoint_store.py`).
         store = pools.store_arrays()
-        ckpts = checkpoint_layout(cfg, store[0].shape[1:], store[0].dtype, len(store)) if store else None
-        conv_states, ssm_states = list(pools.conv_states), list(pools.ssm_states)
+        ckpts = None
+        if store:
+            ckpts = checkpoint_layout(recurrent_states(cfg), store[0].shape[1:], store[0].dtype, len(store))
+        states = list(pools.states)
+        # A sequence whose first token this step is position 0 starts from zero states; one
+        # that resumes from a prefix hit reads the checkpoint instead of its read slot.
+        fresh = layout.start_pos == 0  # [S]
+        reads = not decode and batch.restore_blocks.shape[1] > 0  # decode steps never start from a hit
+        hit = batch.restore_blocks[:, 0] > 0 if reads else None  # [S]
 
         h = self.embed[...][batch.input_ids]
         if cfg.embedding_multiplier != 1.0:
             h = h * cfg.embedding_multiplier
-        attn_i = mamba_i = 0
+        attn_i = rec_i = 0
         for layer in self.layers:
             if layer.spec.mixer == "attention":
                 k, v = 2 * attn_i, 2 * attn_i + 1
                 out, store[k], store[v] = layer.attention(layer.mixer_norm(h), store[k], store[v], batch, layout, ops)
                 attn_i += 1
-            elif layer.spec.mixer == "mamba":
-                reads = not decode and batch.restore_blocks.shape[1] > 0  # decode steps never start from a hit
-                restored = ckpts.read(store, batch.restore_blocks, mamba_i) if reads else None
-                out, conv_states[mamba_i], ssm_states[mamba_i], saved = layer.mamba(
-                    layer.mixer_norm(h), conv_states[mamba_i], ssm_states[mamba_i], batch, layout, ops, decode, restored
-                )
+            elif layer.spec.mixer is not None:
+                restored = ckpts.read(store, batch.restore_blocks, rec_i) if reads else None
+                initial = initial_states(states[rec_i], batch.read_slots, fresh, hit, restored)
+                mixer = getattr(layer, layer.spec.mixer)
+                out, final, saved = mixer(layer.mixer_norm(h), initial, batch, layout, ops, decode)
+                states[rec_i] = written_pools(states[rec_i], batch.write_slots, final)
                 if batch.save_seq.shape[0]:
-                    ckpts.write(store, batch.save_blocks, mamba_i, *saved)
-                mamba_i += 1
+                    ckpts.write(store, batch.save_blocks, rec_i, saved)
+                rec_i += 1
             if layer.spec.mixer is not None:
                 h = h + out * cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else h + out
             if layer.spec.ffn is not None:
@@ -105,4 +117,4 @@ class HybridLM(nnx.Module):
             logits = self.lm_head(h).astype(jnp.float32)
         if cfg.logits_scaling != 1.0:
             logits = logits / cfg.logits_scaling
-        return logits, pools.with_store(store, tuple(conv_states), tuple(ssm_states))
+        return logits, pools.with_store(store, tuple(states))

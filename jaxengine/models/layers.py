@@ -13,19 +13,22 @@ def linear(in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype,
 
 
 class RMSNorm(nnx.Module):
-    """RMS norm computed in float32. `weight_in_fp32` scales before casting back (Nemotron-H)
-    instead of after (Llama and most others)."""
+    """RMS norm computed in float32 over the last axis. `weight_in_fp32` scales before casting
+    back (Nemotron-H) instead of after (Llama and most others); `weight_offset=1` scales by
+    `1 + weight` (zero-centred weights, Qwen3-Next and Qwen3.5), in float32 too."""
 
-    def __init__(self, size: int, eps: float, *, dtype: jnp.dtype, weight_in_fp32: bool = False):
-        self.weight = nnx.Param(jnp.ones((size,), dtype))
+    def __init__(self, size: int, eps: float, *, dtype: jnp.dtype, weight_in_fp32: bool = False,
+                 weight_offset: float = 0.0):
+        self.weight = nnx.Param(jnp.full((size,), 1.0 - weight_offset, dtype))
         self.eps = eps
-        self.weight_in_fp32 = weight_in_fp32
+        self.weight_in_fp32 = weight_in_fp32 or weight_offset != 0.0
+        self.weight_offset = weight_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         if self.weight_in_fp32:
-            return (self.weight[...].astype(jnp.float32) * normed).astype(x.dtype)
+            return ((self.weight[...].astype(jnp.float32) + self.weight_offset) * normed).astype(x.dtype)
         return self.weight[...] * normed.astype(x.dtype)
 
 
@@ -43,6 +46,20 @@ class GatedRMSNorm(nnx.Module):
         g = h.reshape(*h.shape[:-1], self.groups, -1)
         g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + self.eps)
         return self.weight[...] * g.reshape(h.shape).astype(dtype)
+
+
+class HeadNormThenGate(nnx.Module):
+    """Gated DeltaNet's output norm: RMS over each head's channels first, then times
+    silu(gate) (the reverse of Mamba2's `GatedRMSNorm`); one weight shared by the heads."""
+
+    def __init__(self, size: int, eps: float, *, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((size,), dtype))
+        self.eps = eps
+
+    def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:  # [T, H, d], [T, H, d] -> [T, H, d]
+        y32 = y.astype(jnp.float32)
+        normed = (y32 * jax.lax.rsqrt(jnp.mean(y32 * y32, axis=-1, keepdims=True) + self.eps)).astype(y.dtype)
+        return (self.weight[...] * normed * jax.nn.silu(z.astype(jnp.float32))).astype(y.dtype)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
@@ -105,6 +122,8 @@ class Moe(nnx.Module):
         self.experts_up = nnx.Param(jnp.zeros((e, hidden_size, up_width), dtype))  # gate | up when gated
         self.experts_down = nnx.Param(jnp.zeros((e, inner, hidden_size), dtype))
         self.shared = Mlp(hidden_size, cfg.shared, dtype=dtype, rngs=rngs)
+        if cfg.shared_gate:
+            self.shared_gate = nnx.Param(jnp.zeros((hidden_size, 1), dtype))  # [D, 1]
 
     def _combine_weights(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, E] float32
         cfg = self.cfg
@@ -112,6 +131,10 @@ class Moe(nnx.Module):
         if cfg.router == "softmax_topk":
             top_vals, top_idx = jax.lax.top_k(logits, cfg.top_k)
             weights = jax.nn.softmax(top_vals, axis=-1)
+        elif cfg.router == "softmax":
+            weights, top_idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.top_k)
+            if cfg.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdims=True)
         else:
             scores = jax.nn.sigmoid(logits)
             choice = scores + self.router_bias[...]
@@ -140,4 +163,7 @@ class Moe(nnx.Module):
             h = activation(self.cfg.expert.activation, up)
         out = jnp.einsum("tef,efd->ted", h, self.experts_down[...]).astype(jnp.float32)
         routed = jnp.einsum("ted,te->td", out, combine).astype(x.dtype)  # experts summed in float32
-        return routed + self.shared(x)
+        shared = self.shared(x)
+        if self.cfg.shared_gate:
+            shared = jax.nn.sigmoid(x @ self.shared_gate[...]) * shared
+        return routed + shared

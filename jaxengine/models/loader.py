@@ -3,12 +3,13 @@
 Each architecture names its tensors differently; a table of rules per architecture maps a
 Hugging Face tensor name onto a parameter path of `HybridLM` and says how to convert it
 (transpose a linear weight, squeeze a conv weight, stack per-expert tensors, split a fused
-gate|up projection). Every parameter must be filled exactly once with the expected shape;
-anything else is an error naming the tensor.
+gate|up projection, place a projection in some columns of a fused one). Every parameter must
+be filled exactly once with the expected shape; anything else is an error naming the tensor.
 """
 
 import dataclasses
 import json
+import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,8 @@ from safetensors import SafetensorError, safe_open
 
 from jaxengine.models.config import ModelConfig, load_model_config
 from jaxengine.models.hybrid import HybridLM
+
+logger = logging.getLogger(__name__)
 
 CONVERTED_PARAMS_DIR = "jaxengine_params"  # the Orbax checkpoint inside a converted model directory
 
@@ -40,11 +43,16 @@ class Rule:
       experts     [E, out, in] -> [E, in, out]
       expert      one expert's [out, in] -> row `expert` of a stacked [E, in, out]
       split       fused [2 * n, in] -> two [in, n] halves (gate, up)
+      columns     [width, in] -> columns [start, start + width) of an [in, total] parameter
+                  (of row `expert` of a stacked [E, in, total] one when the pattern names an
+                  expert), its rows first reordered by `perm`; `columns(match, cfg)` gives
+                  (start, width, perm or None)
     """
 
     pattern: str
     targets: Callable[[re.Match, ModelConfig], list[Path_]]
     kind: str = "copy"
+    columns: Callable[[re.Match, ModelConfig], tuple[int, int, np.ndarray | None]] | None = None
 
 
 def _layer(path: str) -> Callable[[re.Match, ModelConfig], list[Path_]]:
@@ -117,6 +125,64 @@ def _nemotron_norm(m: re.Match, cfg: ModelConfig) -> list[Path_]:
     return [("layers", i, "mixer_norm" if spec is None or spec.mixer else "ffn_norm", "weight")]
 
 
+_QWEN_L = r"model\.(?:language_model\.)?layers\.(?P<layer>\d+)\."
+
+
+def _gated_delta_columns(m: re.Match, cfg: ModelConfig) -> tuple[int, int, np.ndarray | None]:
+    """Where a Gated DeltaNet projection lies in our fused `in_proj` (columns q | k | v | z | b
+    | a). Qwen3.5 stores the parts flat (`in_proj_qkv`, `_z`, `_b`, `_a`); Qwen3-Next stores
+    `in_proj_qkvz` and `in_proj_ba` grouped per key head (rows q_g | k_g | v_g | z_g and
+    b_g | a_g for each key head g), so their rows are reordered into the flat order."""
+    g = cfg.gated_delta
+    kd, vd, hv, dk = g.key_dim, g.value_dim, g.num_value_heads, g.key_head_dim
+    ratio, dv = g.num_value_heads // g.num_key_heads, g.value_head_dim
+    proj = m.group("proj")
+    if proj == "qkvz":
+        grouped = np.arange(g.num_key_heads * (2 * dk + 2 * ratio * dv)).reshape(g.num_key_heads, -1)
+        cuts = np.cumsum([dk, dk, ratio * dv])
+        return 0, 2 * kd + 2 * vd, np.concatenate([part.ravel() for part in np.split(grouped, cuts, axis=1)])
+    if proj == "ba":
+        grouped = np.arange(2 * hv).reshape(g.num_key_heads, 2 * ratio)
+        return g.conv_dim + vd, 2 * hv, np.concatenate([grouped[:, :ratio].ravel(), grouped[:, ratio:].ravel()])
+    start, width = {"qkv": (0, g.conv_dim), "z": (g.conv_dim, vd), "b": (g.conv_dim + vd, hv),
+                    "a": (g.conv_dim + vd + hv, hv)}[proj]
+    return start, width, None
+
+
+def _expert_half(m: re.Match, cfg: ModelConfig) -> tuple[int, int, None]:
+    """A per-expert gate or up projection: the first or second half of our fused gate | up."""
+    inner = cfg.moe.expert.intermediate_size
+    return (0 if m.group("half") == "gate" else inner), inner, None
+
+
+def _qwen_rules() -> list[Rule]:
+    la = _QWEN_L + r"linear_attn\."
+    return [
+        *_embed_and_head(r"model\.(?:language_model\.)?embed_tokens\.weight", r"model\.(?:language_model\.)?norm\.weight"),
+        Rule(_QWEN_L + r"input_layernorm\.weight$", _layer("mixer_norm/weight")),
+        Rule(_QWEN_L + r"post_attention_layernorm\.weight$", _layer("ffn_norm/weight")),
+        Rule(_QWEN_L + r"self_attn\.(?P<sub>[qkvo]_proj)\.weight$", _layer("attention/{sub}/kernel"), "linear"),
+        Rule(_QWEN_L + r"self_attn\.(?P<sub>[qkvo]_proj)\.bias$", _layer("attention/{sub}/bias")),
+        Rule(_QWEN_L + r"self_attn\.(?P<sub>[qk]_norm)\.weight$", _layer("attention/{sub}/weight")),
+        Rule(la + r"in_proj_(?P<proj>qkvz|ba|qkv|z|b|a)\.weight$", _layer("gated_delta/in_proj/kernel"), "columns",
+             _gated_delta_columns),
+        Rule(la + r"conv1d\.weight$", _layer("gated_delta/conv_weight"), "conv"),
+        Rule(la + r"(?P<p>dt_bias|A_log)$", _layer("gated_delta/{p}")),
+        Rule(la + r"norm\.weight$", _layer("gated_delta/norm/weight")),
+        Rule(la + r"out_proj\.weight$", _layer("gated_delta/out_proj/kernel"), "linear"),
+        Rule(_QWEN_L + r"mlp\.(?P<sub>gate_proj|up_proj|down_proj)\.weight$", _layer("mlp/{sub}/kernel"), "linear"),
+        Rule(_QWEN_L + r"mlp\.gate\.weight$", _layer("moe/router"), "linear"),
+        Rule(_QWEN_L + r"mlp\.experts\.gate_up_proj$", _layer("moe/experts_up"), "experts"),
+        Rule(_QWEN_L + r"mlp\.experts\.down_proj$", _layer("moe/experts_down"), "experts"),
+        Rule(_QWEN_L + r"mlp\.experts\.(?P<expert>\d+)\.(?P<half>gate|up)_proj\.weight$", _layer("moe/experts_up"),
+             "columns", _expert_half),
+        Rule(_QWEN_L + r"mlp\.experts\.(?P<expert>\d+)\.down_proj\.weight$", _layer("moe/experts_down"), "expert"),
+        Rule(_QWEN_L + r"mlp\.shared_expert\.(?P<sub>gate_proj|up_proj|down_proj)\.weight$",
+             _layer("moe/shared/{sub}/kernel"), "linear"),
+        Rule(_QWEN_L + r"mlp\.shared_expert_gate\.weight$", _layer("moe/shared_gate"), "linear"),
+    ]
+
+
 RULES: dict[str, list[Rule]] = {
     "LlamaForCausalLM": [
         *_embed_and_head(r"model\.embed_tokens\.weight", r"model\.norm\.weight"),
@@ -161,10 +227,15 @@ RULES: dict[str, list[Rule]] = {
         Rule(_L + r"mixer\.experts\.down_proj$", _layer("moe/experts_down"), "experts"),
         Rule(_L + r"mixer\.shared_experts\.(?P<sub>up_proj|down_proj)\.weight$", _layer("moe/shared/{sub}/kernel"), "linear"),
     ],
+    "Qwen3NextForCausalLM": _qwen_rules(),
+    "Qwen3_5ForCausalLM": _qwen_rules(),
+    "Qwen3_5MoeForCausalLM": _qwen_rules(),
 }
 
-# Tensors a checkpoint may carry that inference does not use.
-IGNORED = re.compile(r"(rotary_emb\.inv_freq|^mtp\.)")
+# Tensors a checkpoint may carry that serving its text model does not use: rotary tables,
+# the multi-token-prediction module (`mtp.*`, a draft head for speculative decoding, which is
+# not built yet) and a vision-language checkpoint's vision tower.
+IGNORED = re.compile(r"(rotary_emb\.inv_freq|^mtp\.|^model\.visual\.)")
 
 
 def _hf_shape(kind: str, ours: tuple[int, ...]) -> tuple[int, ...]:
@@ -235,11 +306,14 @@ def params_from_hf(model_dir: Path, cfg: ModelConfig, abstract_state: nnx.State)
     expected = {path: leaf for path, leaf in _flat(abstract_state.to_pure_dict())}
     rules = RULES[cfg.architecture]
     filled: dict[Path_, np.ndarray] = {}
-    experts: dict[Path_, dict[int, np.ndarray]] = {}
+    # Parameters assembled from several tensors: (expert or None, first column) -> [in, width].
+    parts: dict[Path_, dict[tuple[int | None, int], np.ndarray]] = {}
+    ignored: dict[str, int] = {}
     for name, tensor in _read_safetensors(model_dir).items():
         rule, match = next(((r, m) for r in rules if (m := re.search(r.pattern, name))), (None, None))
         if rule is None:
-            if IGNORED.search(name):
+            if found := IGNORED.search(name):
+                ignored[found.group(0)] = ignored.get(found.group(0), 0) + 1
                 continue
             raise ValueError(f"{model_dir}: unexpected tensor {name!r} with shape {tuple(tensor.shape)}")
         targets = rule.targets(match, cfg)
@@ -248,25 +322,56 @@ def params_from_hf(model_dir: Path, cfg: ModelConfig, abstract_state: nnx.State)
         for path in targets:
             if path not in expected:
                 raise ValueError(f"{model_dir}: unexpected tensor {name!r} (no parameter {'/'.join(map(str, path))})")
-        want = _hf_shape(rule.kind, tuple(expected[targets[0]].shape))
+        expert = int(match.group("expert")) if "expert" in match.groupdict() else None
+        if rule.kind == "columns":
+            start, width, perm = rule.columns(match, cfg)
+            want = (width, expected[targets[0]].shape[-2])
+        else:
+            want = _hf_shape(rule.kind, tuple(expected[targets[0]].shape))
         if tuple(tensor.shape) != want:
             raise ValueError(f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}")
+        if rule.kind == "columns":
+            parts.setdefault(targets[0], {})[(expert, start)] = (tensor if perm is None else tensor[perm]).T
+            continue
         for path, value in zip(targets, _convert(rule.kind, tensor)):
             if rule.kind == "expert":
-                experts.setdefault(path, {})[int(match.group("expert"))] = value
+                parts.setdefault(path, {})[(expert, 0)] = value
             else:
                 filled[path] = value
-    for path, parts in experts.items():
-        num = expected[path].shape[0]
-        if sorted(parts) != list(range(num)):
-            missing = sorted(set(range(num)) - set(parts))
-            raise ValueError(f"{model_dir}: missing experts {missing} for parameter {'/'.join(map(str, path))}")
-        filled[path] = np.stack([parts[e] for e in range(num)])
+    for found, count in ignored.items():
+        if found != "rotary_emb.inv_freq":
+            logger.info("%s: %d tensors %s* not loaded (not used to serve the text model)", model_dir, count, found)
+    for path, pieces in parts.items():
+        filled[path] = _assemble(model_dir, path, pieces, tuple(expected[path].shape))
     missing = [p for p in expected if p not in filled]
     if missing:
         names = ", ".join("/".join(map(str, p)) for p in missing[:8])
         raise ValueError(f"{model_dir}: missing tensors for parameters {names}" + (" ..." if len(missing) > 8 else ""))
     return _unflat({p: jnp.asarray(v, dtype=expected[p].dtype) for p, v in filled.items()})
+
+
+def _assemble(model_dir: Path, path: Path_, pieces: dict[tuple[int | None, int], np.ndarray],
+              shape: tuple[int, ...]) -> np.ndarray:
+    """A parameter of `shape` from its column pieces, per expert if it is stacked; an error
+    naming the parameter for missing experts or columns."""
+    name = "/".join(map(str, path))
+    stacked = next(iter(pieces))[0] is not None
+    experts = sorted({e for e, _ in pieces}) if stacked else [None]
+    if stacked and experts != list(range(shape[0])):
+        missing = sorted(set(range(shape[0])) - set(experts))
+        raise ValueError(f"{model_dir}: missing experts {missing} for parameter {name}")
+    rows = []
+    for e in experts:
+        columns = sorted((start, value) for (pe, start), value in pieces.items() if pe == e)
+        end = 0
+        for start, value in columns:
+            if start != end:
+                raise ValueError(f"{model_dir}: missing columns [{end}, {start}) of parameter {name}")
+            end += value.shape[-1]
+        if end != shape[-1]:
+            raise ValueError(f"{model_dir}: missing columns [{end}, {shape[-1]}) of parameter {name}")
+        rows.append(np.concatenate([value for _, value in columns], axis=-1))
+    return np.stack(rows) if stacked else rows[0]
 
 
 def _flat(tree: dict, prefix: Path_ = ()) -> list[tuple[Path_, object]]:

@@ -12,7 +12,7 @@ copies transposed operands out explicitly; the arithmetic is the same.
 Semantics are the reference's: chunks aligned to absolute positions, never crossing
 sequences, each sequence restarting from its initial state, and outputs y [T, H, P],
 final_states [S, H, P, N] and the state after every chunk row, with the same row layout
-(`chunk_seq`, `chunk_end`, computed by `_layout.scan_rows` with the reference's formulas).
+(`chunk_seq`, `chunk_end`, computed by `ragged.scan_rows` with the reference's formulas).
 Every row is a contiguous range of at most chunk_size flat tokens and rows come in token
 order. The within-row cumulative log-decay cum[t] = sum_{u <= t in t's row} dt[u] * A is an
 O(T * H) segmented scan in XLA (`_layout.row_decays`).
@@ -56,6 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import ragged
 from pallas_kernels.ssd import _layout
 from pallas_kernels.ssd.reference import RaggedScanOutput
 
@@ -309,7 +310,7 @@ def ragged_ssd_scan(
     if not x.dtype == B.dtype == C.dtype:
         raise ValueError(f"x, B and C must share a dtype for the GPU kernel, got {x.dtype}, {B.dtype}, {C.dtype}")
 
-    rows = _layout.scan_rows(cu_seqlens, start_pos, num_tokens, chunk_size)
+    rows = ragged.scan_rows(cu_seqlens, start_pos, num_tokens, chunk_size)
     dt_masked, cum = _layout.row_decays(dt, A, cu_seqlens, start_pos, chunk_size)
     padded = pl.cdiv(num_tokens, TILE) * TILE
 
@@ -340,7 +341,7 @@ def ragged_ssd_scan(
     )
     return RaggedScanOutput(
         y=y[:num_tokens],
-        final_states=_layout.final_states(rows, chunk_states, init_states),
+        final_states=ragged.final_states(rows, chunk_states, init_states),
         chunk_states=chunk_states,
         chunk_seq=rows.chunk_seq,
         chunk_end=rows.chunk_end,

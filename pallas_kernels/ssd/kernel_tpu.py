@@ -5,7 +5,7 @@ never crossing sequences, each sequence restarting from its initial state, and o
 y [T, H, P], final_states [S, H, P, N] and the state after every chunk row with the same
 row layout (`chunk_seq`, `chunk_end`), so callers may use either implementation.
 
-Layout. The row bookkeeping is the reference's, recomputed in `_layout.scan_rows`: every
+Layout. The row bookkeeping is the reference's, recomputed in `ragged.scan_rows`: every
 row is a contiguous range of at most `chunk_size` flat tokens, rows are in token order and
 cover exactly the real tokens. Nothing is scattered into a [R, chunk_size] grid: the kernel
 reads the flat token arrays directly, so a batch of short segments costs about its size.
@@ -62,6 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import ragged
 from pallas_kernels.ssd import _layout
 from pallas_kernels.ssd.reference import RaggedScanOutput
 
@@ -289,7 +290,7 @@ def ragged_ssd_scan(
     gb = max(1, hb // per_group)  # groups per head block
     num_head_blocks, num_blocks = num_heads // hb, pl.cdiv(num_tokens, cs)
 
-    rows = _layout.scan_rows(cu_seqlens, start_pos, num_tokens, cs)
+    rows = ragged.scan_rows(cu_seqlens, start_pos, num_tokens, cs)
     num_rows = rows.chunk_seq.shape[0]
     dt_masked, cum = _layout.row_decays(dt, A, cu_seqlens, start_pos, cs)  # [T, H] each
     # Rows starting in token block k: used rows are sorted by start; unused ones sort last.
@@ -367,7 +368,7 @@ def ragged_ssd_scan(
     )  # fmt: skip
     return RaggedScanOutput(
         y=y.reshape(num_tokens, num_heads, head_dim),
-        final_states=_layout.final_states(rows, chunk_states, init_states),
+        final_states=ragged.final_states(rows, chunk_states, init_states),
         chunk_states=chunk_states,
         chunk_seq=rows.chunk_seq,
         chunk_end=rows.chunk_end,

@@ -25,8 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged import token_segments
-from pallas_kernels.ssd._layout import scan_rows
+from pallas_kernels.ragged import scan_rows, token_segments, tokens_since_latest_state
 
 
 class RaggedScanOutput(NamedTuple):
@@ -181,17 +180,10 @@ def ssd_states_at(
     (padding) get garbage, never an error."""
     f32 = jnp.float32
     num_tokens, num_heads, _ = x.shape
-    # The latest row end of that sequence at or before pos.
-    is_base = (scan.chunk_seq[None, :] == seq[:, None]) & (scan.chunk_end[None, :] <= pos[:, None])  # [C, R]
-    base_row = jnp.argmax(jnp.where(is_base, scan.chunk_end[None, :], -1), axis=1)
-    has_row = is_base.any(axis=1)
-    seq_start = start_pos[seq]
-    base_pos = jnp.where(has_row, scan.chunk_end[base_row], seq_start)
-    base = jnp.where(has_row[:, None, None, None], scan.chunk_states[base_row], init_states[seq].astype(f32))
-    # The tokens in [base_pos, pos), at most `window` of them.
-    token_pos = base_pos[:, None] + jnp.arange(window)[None, :]  # [C, W]
-    inside = token_pos < pos[:, None]
-    token = jnp.clip(cu_seqlens[seq][:, None] + token_pos - seq_start[:, None], 0, num_tokens - 1)
+    base, token, inside = tokens_since_latest_state(
+        scan.chunk_seq, scan.chunk_end, scan.chunk_states, init_states, cu_seqlens, start_pos, seq, pos, window,
+        num_tokens,
+    )
     dt_w = jnp.where(inside[..., None], dt[token].astype(f32), 0.0)  # [C, W, H]
     a_cum = jnp.cumsum(dt_w * A.astype(f32), axis=1)
     to_end = jnp.exp(a_cum[:, -1:, :] - a_cum)  # decay from after each token to pos

@@ -8,7 +8,7 @@ from jaxengine import LLM, SamplingParams
 from jaxengine.models.kernels import REFERENCE_SCAN_ROW, kernel_ops, reference_scan
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.ssd import ragged_ssd_scan
-from tests.models.tiny_models import perturb_, random_prompt
+from tests.models.tiny_models import perturb_, random_prompt, save_tiny_model
 
 ARGS = dict(max_model_len=64, page_size=4, max_num_seqs=2, max_num_batched_tokens=32, warm_up=False)
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -35,6 +35,15 @@ def test_interpreted_kernels_match_references_end_to_end(kernel_friendly_bamba, 
     prompts = [random_prompt(11, 1), random_prompt(3, 2)]
     want = LLM(kernel_friendly_bamba, kernels="reference", **ARGS).generate(prompts, GREEDY, use_tqdm=False)
     got = LLM(kernel_friendly_bamba, kernels=kernels, **ARGS).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+@pytest.mark.slow
+def test_interpreted_tpu_gated_delta_kernel_matches_the_reference_end_to_end(tmp_path):
+    save_tiny_model("qwen3_5", tmp_path)
+    prompts = [random_prompt(11, 1), random_prompt(3, 2)]
+    want = LLM(tmp_path, kernels="reference", **ARGS).generate(prompts, GREEDY, use_tqdm=False)
+    got = LLM(tmp_path, kernels="pallas-interpret-tpu", **ARGS).generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 

@@ -1,5 +1,7 @@
 """Step executables stored on disk: a second engine loads them instead of compiling."""
 
+import json
+import shutil
 import subprocess
 import sys
 
@@ -98,3 +100,18 @@ def test_the_key_changes_with_the_code_and_the_shapes(monkeypatch):
     assert store.key({"decode": True}, jax.ShapeDtypeStruct((8,), "int32")) != key
     monkeypatch.setattr(step_store, "_source_digest", lambda: "other code")
     assert store.key({"decode": True}, a) != key
+
+
+def test_models_that_differ_only_in_settings_get_their_own_steps(tiny_models, stored, tmp_path):
+    """Same parameter shapes, another constant baked into the step (the norm epsilon): the
+    engine must not run the stored executable of the first model."""
+    directory, _, tokens = stored
+    model = tiny_models["bamba"][0]
+    other = tmp_path / "other_eps"
+    shutil.copytree(model, other)
+    config = json.loads((other / "config.json").read_text())
+    config["rms_norm_eps"] = 0.5
+    (other / "config.json").write_text(json.dumps(config))
+    want = _tokens(LLM(other, **{**ARGS, "compilation_cache_dir": None}))
+    assert want != tokens  # the setting does change the outputs
+    assert _tokens(LLM(other, compilation_cache_dir=str(directory), **ARGS)) == want

@@ -12,6 +12,10 @@ Mixture-of-experts routing is discontinuous: where two experts' scores nearly ti
 rounding may pick the other expert and change that position's output by O(1). That hits
 ~1% of positions here, so an MoE model may have up to 5% of positions beyond the tolerance.
 
+Qwen3.5 (Gated DeltaNet) is more sensitive to bfloat16 as such: torch's own bfloat16 forward
+of the tiny model is beyond the tolerance at 2.2% of positions (median error 2.6% of the
+scale), ours at 2.6% (2.9%); its positions beyond are allowed up to 5% like an MoE's.
+
 Top-1: where two logits lie within the rounding error of each other, bfloat16 may
 legitimately pick the other token. Such near-ties are 2-5% of positions here; requiring 85%
 agreement over eight prompts (232 positions) keeps far from that.
@@ -30,7 +34,7 @@ PROMPTS = [random_prompt(29, seed) for seed in range(8)]  # 29 tokens: the parit
 
 @pytest.mark.parametrize(
     "arch, max_outlier_fraction",
-    [("bamba", 0.0), pytest.param("nemotron_h", 0.05, id="nemotron_h-moe")],
+    [("bamba", 0.0), pytest.param("nemotron_h", 0.05, id="nemotron_h-moe"), ("qwen3_5", 0.05)],
 )
 def test_bfloat16_logits_close_to_float32_reference(arch, max_outlier_fraction, tmp_path):
     model = save_tiny_model(arch, tmp_path)

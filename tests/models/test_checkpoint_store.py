@@ -9,6 +9,7 @@ import pytest
 from jaxengine.engine.pools import store_layout
 from jaxengine.models.checkpoint_store import checkpoint_layout
 from jaxengine.models.config import load_model_config
+from jaxengine.models.mixer_state import StateArray
 from tests.models.tiny_models import save_tiny_model
 
 
@@ -33,7 +34,7 @@ def test_states_round_trip(tmp_path, arch, dtype):
     ssm = [rng.standard_normal(shape).astype(np.float32) * np.exp(rng.uniform(-20, 20, shape)).astype(np.float32)
            for _ in layout.layers]
     for j in range(len(layout.layers)):
-        layout.write(arrays, blocks, j, conv[j], jnp.asarray(ssm[j]))
+        layout.write(arrays, blocks, j, (conv[j], jnp.asarray(ssm[j])))
     for j in range(len(layout.layers)):
         got_conv, got_ssm = layout.read(arrays, blocks, j)
         assert np.array_equal(np.asarray(got_conv), np.asarray(conv[j]))
@@ -64,12 +65,7 @@ def test_layers_spread_evenly_over_the_arrays(num_layers, num_arrays):
     """A checkpoint takes the blocks its units need, rounded up over the arrays: layers are
     split where whole layers would leave arrays unevenly filled (each test layer is 3 units)."""
 
-    class Cfg:  # the fields checkpoint_layout reads
-        num_mamba_layers = num_layers
-
-        class mamba:
-            conv_dim, conv_kernel, num_heads, head_dim, state_size = 16, 4, 4, 4, 8  # 64 + 128 elements
-
-    layout = checkpoint_layout(Cfg, (64,), jnp.float32, num_arrays)
+    layer = (StateArray("conv", (16, 4), False, 0), StateArray("ssm", (4, 4, 8), True, 0))  # 64 + 128 elements
+    layout = checkpoint_layout([layer] * num_layers, (64,), jnp.float32, num_arrays)
     units = 3 * num_layers
     assert layout.blocks_per_checkpoint == -(-units // num_arrays)

@@ -34,7 +34,9 @@ from tests.models.tiny_models import (
 )
 
 PROMPT = random_prompt(29, seed=1)
-SUPPORTED = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
+             "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+             "Qwen3_5MoeForConditionalGeneration")
 
 
 @pytest.fixture(scope="module")

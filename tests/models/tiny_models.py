@@ -6,12 +6,13 @@ directory into jaxengine and compares against the returned torch model (`hf_logi
 torch is cheap and jaxengine compiles quickly.
 
 Hugging Face's initialisation makes a poor test model, so `perturb_` changes it (seeded):
-  * constants hide transposition and indexing bugs: norm weights (1), `D` (1), conv biases
-    and Nemotron-H's router correction bias (0) get noise;
+  * constants hide transposition and indexing bugs: norm weights (1, or 0 where zero-centred),
+    `D` (1), conv biases and Nemotron-H's router correction bias (0) get noise;
   * the SSM would barely remember anything: `A_log = log(1..H)` and time steps of
     0.001..0.1 make the state's contribution vanish next to the local `D` skip, so bugs in
     carrying state across chunks, steps or decode would not show. `A_log` and `dt_bias` are
-    redrawn so that decays per token are ~0.5-0.9;
+    redrawn so that decays per token are ~0.5-0.9 (Gated DeltaNet's too: its `A_log` of
+    log(U(0.01, 16)) would decay most heads' state within a token or two);
   * weights of std 0.02 (`initializer_range`) leave the mixers' output tiny against the
     residual stream; `INIT_STD = 0.1` makes context move the logits by 10-100% of their scale,
     so a greedy continuation depends on the whole prompt, not just on the last token;
@@ -38,9 +39,20 @@ from transformers import (
     NemotronHForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
-ARCHS = ("llama", "mamba2", "bamba", "granite_moe", "granite_dense", "nemotron_h")
+# Every supported architecture as transformers saves it; "qwen3_5_vl" (a released Qwen3.5
+# checkpoint's layout, the text model inside a vision-language one) is built too.
+ARCHS = ("llama", "mamba2", "bamba", "granite_moe", "granite_dense", "nemotron_h", "qwen3_next", "qwen3_5",
+         "qwen3_5_moe")
 VOCAB_SIZE = 128
 CHUNK_SIZE = 8  # Mamba2 chunk size: small, so short prompts span several chunks
 MAX_POSITIONS = 512  # room for the engine tests' longer prompts
@@ -66,6 +78,14 @@ ENGINE_ARGS = dict(
 
 _MAMBA = dict(mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2)
 _ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2)
+# Three Gated DeltaNet layers to one gated attention layer; two value heads per key head;
+# partial rotary embedding (a quarter of the head).
+_QWEN = dict(
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    max_position_embeddings=MAX_POSITIONS,
+)
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
 def tiny_config(arch: str, *, tie: bool = False) -> tuple[type[PreTrainedModel], PretrainedConfig]:
@@ -108,6 +128,19 @@ def tiny_config(arch: str, *, tie: bool = False) -> tuple[type[PreTrainedModel],
             moe_shared_expert_intermediate_size=48, n_group=1, topk_group=1, routed_scaling_factor=2.5,
             norm_topk_prob=True, max_position_embeddings=MAX_POSITIONS,
         )
+    if arch == "qwen3_next":  # MoE layers and one dense layer (mlp_only_layers), grouped projections
+        return Qwen3NextForCausalLM, Qwen3NextConfig(
+            **common, **_QWEN, **_QWEN_MOE, intermediate_size=96, mlp_only_layers=[2], norm_topk_prob=True,
+        )
+    if arch == "qwen3_5":  # dense, flat projections
+        return Qwen3_5ForCausalLM, Qwen3_5TextConfig(**common, **_QWEN, intermediate_size=96)
+    if arch == "qwen3_5_moe":
+        return Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**common, **_QWEN, **_QWEN_MOE)
+    if arch == "qwen3_5_vl":  # a released checkpoint's layout: the text model inside a vision-language one
+        vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=4,
+                      temporal_patch_size=1, spatial_merge_size=1)
+        text = dict(**common, **_QWEN, intermediate_size=96)
+        return Qwen3_5ForConditionalGeneration, Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie)
     raise ValueError(f"unknown arch {arch!r}; known: {', '.join(ARCHS)}")
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from pallas_kernels.ssd._layout import num_scan_rows
+from pallas_kernels.ragged import num_scan_rows
 from pallas_kernels.ssd.reference import ragged_ssd_scan, ssd_state_update, ssd_states_at
 from tests.pallas_kernels.tolerance import assert_close_to_scale
 

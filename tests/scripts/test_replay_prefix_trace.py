@@ -176,3 +176,23 @@ def test_conversation_turns_extend_the_previous_turn(tmp_path):
         else:
             assert r.turn_id == 0
         last[r.session_id] = r
+
+
+def test_gated_delta_checkpoints_are_sized_from_their_declared_state(shared_prefix_trace, tmp_path):
+    """A Qwen3.5 config: 3 Gated DeltaNet layers (conv window over q | k | v and a float32
+    delta-rule state) and 1 gated attention layer; bfloat16 KV and conv, float32 states."""
+    config = {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 256, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+    }
+    path = tmp_path / "qwen3_5"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    report = replay.main([str(shared_prefix_trace), "--model-config", str(path), "--budget-bytes", "1e9",
+                          "--kv-dtype", "bfloat16"])
+    conv = (2 * 2 * 16 + 4 * 8) * 4  # channels x kernel
+    assert report["ssm"]["checkpoint_bytes"] == 3 * (conv * 2 + 4 * 16 * 8 * 4)
+    assert report["kv"]["page_bytes"] == 2 * 16 * 2 * 16 * 2
+    assert [r["hit_tokens"] for r in report["per_request"]] == [0, 32, 32, 64]  # dense, as for Bamba

@@ -1,0 +1,28 @@
+"""The depthwise causal conv1d of a recurrent mixer's step, with its conv state and the conv
+states its checkpoints save (Mamba2 and Gated DeltaNet both run one before their scan)."""
+
+import jax
+
+from jaxengine.models.batch import StepBatch, TokenLayout
+from jaxengine.models.kernels import KernelOps
+from pallas_kernels.causal_conv1d import conv_states_after
+
+
+def conv_step(
+    ops: KernelOps,
+    x: jax.Array,  # [T, C] raw inputs
+    weight: jax.Array,  # [C, K]
+    bias: jax.Array | None,  # [C]
+    conv_in: jax.Array,  # [S, C, K]: each sequence's last K raw columns before this step
+    batch: StepBatch,
+    layout: TokenLayout,
+    decode: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns the conv output [T, C] (no activation), each sequence's conv state after this
+    step [S, C, K], and the conv states after each `batch.save_pos` [C_saves, C, K]."""
+    if decode:
+        out, conv_out = ops.causal_conv1d_update(x, weight, bias, conv_in)
+        return out, conv_out, conv_out[batch.save_seq]
+    out, conv_out = ops.ragged_causal_conv1d(x, weight, bias, conv_in, batch.cu_q_lens)
+    consumed = batch.save_pos - layout.start_pos[batch.save_seq]  # tokens of this step before each save
+    return out, conv_out, conv_states_after(x, conv_in, batch.cu_q_lens, batch.save_seq, consumed)

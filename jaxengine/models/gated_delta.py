@@ -1,0 +1,92 @@
+"""The Gated DeltaNet mixer (Qwen3-Next, Qwen3.5): its per-sequence state and its step."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxengine.models.batch import StepBatch, TokenLayout
+from jaxengine.models.config import GatedDeltaConfig
+from jaxengine.models.conv_step import conv_step
+from jaxengine.models.kernels import KernelOps
+from jaxengine.models.layers import HeadNormThenGate, linear
+from jaxengine.models.mixer_state import StateArray
+from pallas_kernels.gated_delta import gated_delta_states_at
+
+L2_EPS = 1e-6  # q and k are normalised as x / sqrt(sum(x^2) + eps)
+
+
+def gated_delta_state(cfg: GatedDeltaConfig) -> tuple[StateArray, ...]:
+    """The per-sequence state: the conv window over q | k | v and the delta-rule state (float32)."""
+    return (
+        StateArray("conv", (cfg.conv_dim, cfg.conv_kernel), float32=False, split_axis=0),
+        StateArray("recurrent", (cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim), float32=True, split_axis=0),
+    )
+
+
+def _l2_normalise(x: jax.Array) -> jax.Array:  # [..., d] -> float32
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+class GatedDeltaMixer(nnx.Module):
+    """in_proj -> (q | k | v | z | b | a); causal conv (no bias) + SiLU on q | k | v;
+    L2-normalised q and k; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) per
+    value head; the gated delta rule from each sequence's state before the step; per-head
+    RMS norm then silu(z) gate; out_proj.
+
+    `decode=True` is the one-token-per-sequence step (token s belongs to sequence s)."""
+
+    def __init__(self, hidden_size: int, cfg: GatedDeltaConfig, eps: float, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        heads = cfg.num_value_heads
+        self.in_proj = linear(hidden_size, cfg.projection_size, bias=False, dtype=dtype, rngs=rngs)
+        self.conv_weight = nnx.Param(jnp.zeros((cfg.conv_dim, cfg.conv_kernel), dtype))  # [conv_dim, K]
+        self.dt_bias = nnx.Param(jnp.zeros((heads,), dtype))
+        self.A_log = nnx.Param(jnp.zeros((heads,), dtype))
+        self.norm = HeadNormThenGate(cfg.value_head_dim, eps, dtype=dtype)
+        self.out_proj = linear(cfg.value_dim, hidden_size, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, D]
+        initial: tuple[jax.Array, jax.Array],  # conv [S, conv_dim, K], recurrent [S, Hv, dk, dv] float32
+        batch: StepBatch,
+        layout: TokenLayout,
+        ops: KernelOps,
+        decode: bool,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+        """Returns out [T, D], the states after this step and the states after each
+        `batch.save_pos` (conv [C, conv_dim, K], recurrent [C, Hv, dk, dv] float32)."""
+        cfg = self.cfg
+        num_tokens = x.shape[0]
+        heads, dk, dv = cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim
+        qkv, z, b, a = jnp.split(
+            self.in_proj(x), [cfg.conv_dim, cfg.conv_dim + cfg.value_dim, cfg.conv_dim + cfg.value_dim + heads], axis=-1
+        )
+        conv_in, state_in = initial
+        qkv, conv_out, save_conv = conv_step(ops, qkv, self.conv_weight[...], None, conv_in, batch, layout, decode)
+        qkv = jax.nn.silu(qkv)
+        q, k, v = jnp.split(qkv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+        q = _l2_normalise(q.reshape(num_tokens, cfg.num_key_heads, dk))
+        k = _l2_normalise(k.reshape(num_tokens, cfg.num_key_heads, dk))
+        v = v.reshape(num_tokens, heads, dv)
+
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [T, Hv]
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        )
+        scale = dk**-0.5
+        if decode:
+            o, state_out = ops.gated_delta_update(state_in, q, k, v, g, beta, scale=scale)
+            save_state = state_out[batch.save_seq]
+        else:
+            scan = ops.ragged_gated_delta(
+                q, k, v, g, beta, state_in, batch.cu_q_lens, layout.start_pos, chunk_size=cfg.chunk_size, scale=scale
+            )
+            o, state_out = scan.o, scan.final_states
+            save_state = gated_delta_states_at(
+                k, v, g, beta, state_in, batch.cu_q_lens, layout.start_pos, scan, batch.save_seq, batch.save_pos,
+                window=ops.scan_row(cfg.chunk_size),
+            )
+        o = self.norm(o.astype(x.dtype), z.reshape(num_tokens, heads, dv))
+        return self.out_proj(o.reshape(num_tokens, -1)), (conv_out, state_out), (save_conv, save_state)

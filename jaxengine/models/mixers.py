@@ -1,0 +1,44 @@
+"""The mixer types a decoder layer can hold, and what is derived from their declarations.
+
+A mixer type is its module (built as `module(hidden_size, config, eps, dtype=, rngs=)`), the
+`ModelConfig` field holding its settings, and, for recurrent mixers, the function declaring
+its per-sequence state (`mixer_state.py`). Attention keeps no per-sequence state: its KV
+lives in the cache pages. Adding a mixer type is its module file, a line here, the config
+mapping of the architectures that use it (`config.py`) and its kernels (`kernels.py`).
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from jaxengine.models.attention import Attention
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.gated_delta import GatedDeltaMixer, gated_delta_state
+from jaxengine.models.mamba2 import Mamba2Mixer, mamba2_state
+from jaxengine.models.mixer_state import StateArray
+
+
+@dataclasses.dataclass(frozen=True)
+class MixerType:
+    module: type[nnx.Module]
+    config: Callable[[ModelConfig], Any]  # the mixer's settings in a ModelConfig
+    state: Callable[[Any], tuple[StateArray, ...]] | None  # per-sequence state; None: none (attention)
+
+
+MIXERS: dict[str, MixerType] = {
+    "attention": MixerType(Attention, lambda cfg: cfg.attention, None),
+    "mamba": MixerType(Mamba2Mixer, lambda cfg: cfg.mamba, mamba2_state),
+    "gated_delta": MixerType(GatedDeltaMixer, lambda cfg: cfg.gated_delta, gated_delta_state),
+}
+
+
+def recurrent_states(cfg: ModelConfig) -> list[tuple[StateArray, ...]]:
+    """The declared per-sequence state of every recurrent layer of `cfg`, in layer order."""
+    out = []
+    for spec in cfg.layers:
+        kind = MIXERS[spec.mixer] if spec.mixer is not None else None
+        if kind is not None and kind.state is not None:
+            out.append(kind.state(kind.config(cfg)))
+    return out
