@@ -13,7 +13,8 @@ Usage: python scripts/bench_recurrent_scans.py [--trials 20]
 
 import argparse
 import functools
-import time
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,20 +24,13 @@ from jaxengine.models.kernels import reference_gated_delta, reference_scan
 from pallas_kernels.gated_delta import gated_delta_states_at, gated_delta_update
 from pallas_kernels.ssd import ssd_state_update, ssd_states_at
 
+sys.path.insert(0, str(Path(__file__).parent))
+from profile_context_scaling import best_of  # noqa: E402
+
 HEADS, DIM, STATE = 16, 64, 64  # SSD: H x P x N; gated delta: H_v x d_k x d_v
 KEY_HEADS = 8
 CHUNK = 64
 SAVE_EVERY = 16
-
-
-def best_of(fn, *args, trials: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(trials):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def batch(num_seqs: int, length: int):
