@@ -66,28 +66,35 @@ class StepExecutables:
         """Makes every item's shape ready: stored ones are loaded and the others compiled, on
         a few threads; those in `later` that are not stored go to the background thread."""
         todo = [item for item in items if shape_key(item[0], item[2]) not in self.ready]
+        # Every stored shape loads before any compiles: a process stops loading once it has
+        # compiled a step itself (step_store), so one missing file costs one compile.
+        missing = self._run_all(todo, self._load, progress)
+        compile_now = [i for i in missing if shape_key(todo[i][0], todo[i][2]) not in later]
+        self._run_all([todo[i] for i in compile_now], self._compile, progress)
+        waiting = sorted(set(missing) - set(compile_now))
+        if waiting:
+            self._queue = [todo[i] for i in waiting]  # in the order given
+            self._thread = threading.Thread(target=self._compile_all, daemon=True, name="jaxengine-compile")
+            self._thread.start()
 
-        def now(item: Item) -> jax.stages.Compiled | None:
-            executable = self._load(*item)
-            if executable is None and shape_key(item[0], item[2]) not in later:
-                executable = self._compile(*item)
-            return executable
-
-        waiting = []
-        with ThreadPoolExecutor(max(1, min(WARM_UP_THREADS, len(todo)))) as pool:
-            futures = {pool.submit(now, item): i for i, item in enumerate(todo)}
+    def _run_all(self, items: list[Item], make: Callable[..., jax.stages.Compiled | None],
+                 progress: Callable[[], None] | None) -> list[int]:
+        """Makes each item's executable with `make` on a few threads; returns the indices of
+        those it gave None for."""
+        if not items:
+            return []
+        none = []
+        with ThreadPoolExecutor(min(WARM_UP_THREADS, len(items))) as pool:
+            futures = {pool.submit(make, *item): i for i, item in enumerate(items)}
             for future in as_completed(futures):
                 i, executable = futures[future], future.result()
                 if executable is None:
-                    waiting.append(i)
+                    none.append(i)
                     continue
-                self.ready[shape_key(todo[i][0], todo[i][2])] = executable
+                self.ready[shape_key(items[i][0], items[i][2])] = executable
                 if progress is not None:
                     progress()
-        if waiting:
-            self._queue = [todo[i] for i in sorted(waiting)]  # in the order given
-            self._thread = threading.Thread(target=self._compile_all, daemon=True, name="jaxengine-compile")
-            self._thread.start()
+        return sorted(none)
 
     def prefer(self, key: ShapeKey) -> None:
         """Moves a shape the background thread has yet to compile to the front of its queue
