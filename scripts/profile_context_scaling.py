@@ -63,8 +63,10 @@ def sampler_case(max_len: int, context: int, penalties: bool):
         frequency_penalty=np.zeros(SEQS, np.float32),
         repetition_penalty=np.full(SEQS, 1.1 if penalties else 1.0, np.float32),
         seeds=np.zeros(SEQS, np.uint32), steps=np.zeros(SEQS, np.int32), history=history,
-        prompt_lens=np.full(SEQS, context // 2, np.int32), banned=np.full((SEQS, MAX_STOP_TOKEN_IDS), -1, np.int32),
-        wants_logprobs=np.zeros(SEQS, bool),
+        history_lens=np.full(SEQS, context, np.int32), prompt_lens=np.full(SEQS, context // 2, np.int32),
+        banned=np.full((SEQS, MAX_STOP_TOKEN_IDS), -1, np.int32), min_tokens=np.zeros(SEQS, np.int32),
+        wants_logprobs=np.zeros(SEQS, bool), sample_rows=np.arange(SEQS, dtype=np.int32)[:, None],
+        num_drafts=np.zeros(SEQS, np.int32),
     )
     logits = jnp.asarray(rng.standard_normal((SEQS, VOCAB)), jnp.float32)
     return jax.jit(functools.partial(sample_tokens, num_logprobs=20)), (logits, sb)

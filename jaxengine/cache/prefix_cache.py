@@ -332,7 +332,8 @@ class PrefixCache:
         return blocks
 
     def cancel(self, blocks: list[int]) -> None:
-        """Gives back a reservation whose step did not run."""
+        """Gives back a reservation whose content is not kept (its step did not run, or
+        wrote it after a rejected draft)."""
         self.pending.difference_update(blocks)
         self.pool.give_back(blocks)
 

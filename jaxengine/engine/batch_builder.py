@@ -57,6 +57,8 @@ class Shape:
     num_seqs: int
     decode: bool
     num_saves: int = 0  # checkpoints the step can store
+    sample_width: int = 1  # tokens sampled per sequence: its last `sample_width` (verify steps)
+    num_position_states: int = 0  # states after draft positions the step can write to live slots
 
 
 def save_buckets(num_seqs: int) -> tuple[int, ...]:
@@ -77,6 +79,8 @@ class BatchBuilder:
         vocab_size: int,
         blocks_per_checkpoint: int = 0,
         saves_checkpoints: bool = False,
+        num_speculative_tokens: int = 0,
+        recurrent: bool = False,
     ):
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.seq_buckets = seq_buckets(max_num_seqs)
@@ -87,6 +91,15 @@ class BatchBuilder:
         self.vocab_size = vocab_size
         self.blocks_per_checkpoint = blocks_per_checkpoint  # 0: no recurrent layers
         self.saves_checkpoints = saves_checkpoints  # prefix caching on a model with recurrent layers
+        # Speculation: mixed steps verify drafts, sampling after each of a sequence's last
+        # k + 1 tokens and, with recurrent layers, keeping the state after each draft position.
+        self.num_speculative_tokens = num_speculative_tokens
+        self.recurrent = recurrent
+
+    def _mixed(self, t: int, s: int) -> Shape:
+        k = self.num_speculative_tokens
+        return Shape(t, s, decode=False, num_saves=self._mixed_saves(t, s), sample_width=k + 1,
+                     num_position_states=s * k if self.recurrent else 0)
 
     def _mixed_saves(self, num_tokens: int, num_seqs: int) -> int:
         if not self.saves_checkpoints:
@@ -102,7 +115,7 @@ class BatchBuilder:
             for i, s in enumerate(seq_b):
                 fewest_seqs = seq_b[i - 1] + 1 if i else 1
                 if fewest_seqs <= t:
-                    shapes.append(Shape(t, s, decode=False, num_saves=self._mixed_saves(t, s)))
+                    shapes.append(self._mixed(t, s))
         for s in seq_b:
             for c in save_buckets(s) if self.saves_checkpoints else (0,):
                 shapes.append(Shape(s, s, decode=True, num_saves=c))
@@ -112,8 +125,7 @@ class BatchBuilder:
         s = _fit(len(step.seqs), self.seq_buckets)
         if step.is_decode:
             return Shape(s, s, decode=True, num_saves=_fit(len(step.saves), save_buckets(s)))
-        t = _fit(step.total_tokens, self.token_buckets)
-        return Shape(t, s, decode=False, num_saves=self._mixed_saves(t, s))
+        return self._mixed(_fit(step.total_tokens, self.token_buckets), s)
 
     def empty(self, shape: Shape) -> tuple[StepBatch, SamplingBatch]:
         """An all-padding batch of `shape` (used for warm-up): touches only the null sinks."""
@@ -140,20 +152,35 @@ class BatchBuilder:
         seeds = np.zeros(s_size, np.uint32)
         steps = np.zeros(s_size, np.int32)
         history = np.full((s_size, self.max_model_len), -1, np.int32)
+        history_lens = np.zeros(s_size, np.int32)
         prompt_lens = np.zeros(s_size, np.int32)
         banned = np.full((s_size, MAX_STOP_TOKEN_IDS), -1, np.int32)
+        min_tokens = np.zeros(s_size, np.int32)
         wants_logprobs = np.zeros(s_size, bool)
+        width = shape.sample_width
+        sample_rows = np.zeros((s_size, width), np.int32)
+        num_drafts = np.zeros(s_size, np.int32)
+        state_seq = np.zeros(shape.num_position_states, np.int32)
+        state_pos = np.full(shape.num_position_states, -1, np.int32)
+        state_slots = np.zeros(shape.num_position_states, np.int32)
 
-        offset = 0
+        offset = num_states = 0
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
             start = seq.num_computed
-            ids[offset : offset + n] = seq.tokens[start : start + n]
+            drafts = step.drafts_of(i)
+            tokens = seq.tokens + drafts  # a verify step's tokens are its pending token and its drafts
+            ids[offset : offset + n] = tokens[start : start + n]
             cu[i] = offset
+            sample_rows[i] = offset + np.maximum(np.arange(n - width, n), 0)
             offset += n
             kv_lens[i] = start + n
             page_table[i, : len(seq.pages)] = seq.pages
             if seq.owned_slots:
                 read[i], write[i] = seq.read_slot, seq.write_slot
+            num_drafts[i] = len(drafts)
+            for j, slot in enumerate(seq.position_slots[: len(drafts)] if self.recurrent else []):
+                state_seq[num_states], state_pos[num_states], state_slots[num_states] = i, start + 1 + j, slot
+                num_states += 1
 
             p = seq.params
             temperature[i] = p.temperature
@@ -165,8 +192,10 @@ class BatchBuilder:
             repetition[i] = p.repetition_penalty
             seeds[i] = seq.seed
             steps[i] = seq.num_output_tokens
-            history[i, : len(seq.tokens)] = seq.tokens
+            history[i, : len(tokens)] = tokens
+            history_lens[i] = len(seq.tokens)
             prompt_lens[i] = seq.num_prompt_tokens
+            min_tokens[i] = p.min_tokens
             wants_logprobs[i] = p.logprobs is not None
             if seq.num_output_tokens < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
@@ -184,9 +213,10 @@ class BatchBuilder:
         save_blocks = np.zeros((num_saves, nb), np.int32)
         for c, save in enumerate(step.saves):
             save_seq[c], save_pos[c], save_blocks[c] = save.seq_index, save.position, save.blocks
-        batch = StepBatch(ids, cu, kv_lens, page_table, read, write, restore, save_seq, save_pos, save_blocks)
+        batch = StepBatch(ids, cu, kv_lens, page_table, read, write, restore, save_seq, save_pos, save_blocks,
+                          state_seq, state_pos, state_slots)
         sampling = SamplingBatch(
-            temperature, top_k, top_p, min_p, presence, frequency, repetition, seeds, steps, history, prompt_lens, banned,
-            wants_logprobs,
+            temperature, top_k, top_p, min_p, presence, frequency, repetition, seeds, steps, history, history_lens,
+            prompt_lens, banned, min_tokens, wants_logprobs, sample_rows, num_drafts,
         )
         return batch, sampling

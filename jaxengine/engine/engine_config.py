@@ -6,6 +6,7 @@ from pathlib import Path
 
 from jaxengine.cache import checkpoint_policy
 from jaxengine.engine.pools import recurrent_block_elems
+from jaxengine.engine.speculative import SpeculativeConfig
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.kernels import KERNELS
 
@@ -64,6 +65,9 @@ class EngineConfig:
     # others on a background thread (steps use a larger ready shape meanwhile); False: all first.
     background_compile: bool = True
     seed: int = 0
+    # vLLM's speculative decoding settings, e.g. {"method": "ngram", "num_speculative_tokens": 3}
+    # (`speculative.py`); None: no speculation.
+    speculative_config: dict | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -94,6 +98,18 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
+        self.speculative()
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed `speculative_config` (None without speculation)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config, self.max_num_batched_tokens)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        spec = self.speculative()
+        return spec.num_speculative_tokens if spec else 0
 
     @property
     def dtype_bytes(self) -> int:
@@ -130,5 +146,8 @@ class EngineConfig:
         return 1 + running + 4 * self.max_num_seqs * blocks_per_checkpoint
 
     def resolved_num_ssm_slots(self) -> int:
-        """Live recurrent-state slots (running sequences' states)."""
-        return self.num_ssm_slots if self.num_ssm_slots is not None else 2 * self.max_num_seqs
+        """Live recurrent-state slots (running sequences' states): by default each sequence's
+        read and write slots, and one per draft position when speculating."""
+        if self.num_ssm_slots is not None:
+            return self.num_ssm_slots
+        return (2 + self.num_speculative_tokens) * self.max_num_seqs

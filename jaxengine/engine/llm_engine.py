@@ -24,6 +24,7 @@ from jaxengine.engine.runner import ModelRunner, enable_compilation_cache
 from jaxengine.engine.sampling_params import SamplingParams, is_int
 from jaxengine.engine.scheduler import ScheduledStep, Scheduler
 from jaxengine.engine.sequence import Sequence, Status
+from jaxengine.engine.speculative import SpecStats, accept, ngram_proposal
 from jaxengine.engine.step_store import StepStore
 from jaxengine.engine.tokenizer import load_tokenizer
 from jaxengine.models.config import ModelConfig
@@ -69,7 +70,14 @@ class LLMEngine:
             value=self._costs(cfg, params, blocks_per_checkpoint).value_fn(),
             enabled=caching,
         )
+        self.speculative = config.speculative()
+        k = self.speculative.num_speculative_tokens if self.speculative else 0
+        self.spec_stats = SpecStats(k) if self.speculative else None
+        self.draft: Callable[[Sequence, int], list[int]] = self._ngram_draft  # (sequence, at most) -> drafts
         slots = LiveSlots(config.resolved_num_ssm_slots()) if cfg.num_recurrent_layers else None
+        if slots is not None and slots.num_live < 2 + k:
+            raise ValueError(f"engine argument num_ssm_slots={slots.num_live} is below the {2 + k} slots one sequence "
+                             f"needs (its read and write slots and one per speculative token)")
         self.runner = ModelRunner(
             cfg, graphdef, params,
             num_blocks=num_blocks,
@@ -86,6 +94,8 @@ class LLMEngine:
             cache=cache,
             slots=slots,
             retention_interval=self.retention_interval,
+            propose=self._propose if self.speculative else None,
+            num_speculative_tokens=k,
         )
         self.builder = BatchBuilder(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -96,6 +106,8 @@ class LLMEngine:
             vocab_size=cfg.vocab_size,
             blocks_per_checkpoint=blocks_per_checkpoint if caching else 0,  # no hits to read without caching
             saves_checkpoints=caching and blocks_per_checkpoint > 0,
+            num_speculative_tokens=k,
+            recurrent=bool(cfg.num_recurrent_layers),
         )
         if caching and cfg.num_recurrent_layers:
             logger.info(
@@ -250,6 +262,22 @@ class LLMEngine:
         self.scheduler.abort(seq)
         self.requests.pop(seq.request_id, None)
 
+    def _propose(self, seq: Sequence, at_most: int) -> list[int]:
+        """Draft tokens for a sequence about to decode: at most `at_most`, none past its
+        max_tokens or max_model_len."""
+        limit = min(self.speculative.num_speculative_tokens, at_most,
+                    seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq.tokens))
+        if limit < 1:
+            return []
+        start = time.perf_counter()
+        drafts = self.draft(seq, limit)[:limit]
+        self.spec_stats.draft_seconds += time.perf_counter() - start
+        return drafts
+
+    def _ngram_draft(self, seq: Sequence, limit: int) -> list[int]:
+        spec = self.speculative
+        return ngram_proposal(seq.tokens, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
     def _step(self) -> list[Sequence]:
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
@@ -257,31 +285,46 @@ class LLMEngine:
         self._note_pool_use()
         shape = self._shape_for(scheduled)
         batch, sampling = self.builder.build(scheduled, shape)
+        start = time.perf_counter()
         out = self.runner.sample(batch, sampling, decode=shape.decode)
-        tokens = np.asarray(out.tokens)
+        tokens = np.asarray(out.tokens)  # [S, W]: a sequence's sample rows are its last W tokens
+        if any(scheduled.drafts):
+            self.spec_stats.verify_seconds += time.perf_counter() - start
         want_logprobs = any(s.params.logprobs is not None for s in scheduled.seqs)
         if want_logprobs:
             chosen, top_lp, top_ids = (np.asarray(a) for a in (out.logprob, out.top_logprobs, out.top_ids))
         now = time.perf_counter()
-        self.scheduler.update(scheduled)
-        updated = []
+        width = tokens.shape[1]
+        updated, finished, kept = [], [], []
         for i, seq in enumerate(scheduled.seqs):
-            if seq.num_computed < len(seq.tokens) or seq.finish_reason is not None:
+            drafts = scheduled.drafts_of(i)
+            kept.append(0)
+            if seq.num_computed + scheduled.num_tokens[i] - len(drafts) < len(seq.tokens) or seq.finish_reason is not None:
                 continue  # a prefill chunk that does not reach the end yet, or a completion step
-            token = int(tokens[i])
-            seq.tokens.append(token)
+            first_row = width - 1 - len(drafts)  # the row after its pending token
+            emitted = accept(drafts, [int(t) for t in tokens[i, first_row:]])
+            if drafts:
+                self.spec_stats.record(len(drafts), len(emitted) - 1)
+            for row, token in enumerate(emitted, start=first_row):
+                seq.tokens.append(token)
+                if seq.params.logprobs is not None:
+                    entry = {int(t): float(lp) for t, lp in zip(top_ids[i, row, : seq.params.logprobs], top_lp[i, row])}
+                    entry[token] = float(chosen[i, row])
+                    seq.logprobs.append(entry)
+                self._check_finished(seq, token)
+                if seq.finish_reason is not None:
+                    break  # tokens past a stop are dropped
+            kept[-1] = row - first_row  # drafts now computed; the last token appended is the pending one
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if seq.params.logprobs is not None:
-                entry = {int(t): float(lp) for t, lp in zip(top_ids[i, : seq.params.logprobs], top_lp[i])}
-                entry[token] = float(chosen[i])
-                seq.logprobs.append(entry)
-            self._check_finished(seq, token)
             if seq.finish_reason is not None:
-                seq.finish_time = now
-                self.scheduler.finish(seq)
-                self.requests.pop(seq.request_id, None)
+                finished.append(seq)
             updated.append(seq)
+        self.scheduler.update(scheduled, kept)
+        for seq in finished:
+            seq.finish_time = now
+            self.scheduler.finish(seq)
+            self.requests.pop(seq.request_id, None)
         return updated
 
     def _note_pool_use(self) -> None:
@@ -320,6 +363,7 @@ class LLMEngine:
             "peak_ssm_live_slots_in_use": self.peak_slots_in_use,
             "steps_in_larger_shapes": self.steps_in_larger_shapes,
             "step_shapes_not_ready": len(self.shapes()) - len(self.runner.steps.ready),
+            **(self.spec_stats.as_dict() if self.spec_stats else {}),
         }
 
     def _check_finished(self, seq: Sequence, token: int) -> None:

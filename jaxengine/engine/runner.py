@@ -20,11 +20,12 @@ from jaxengine.models.config import ModelConfig
 
 
 def _model_step(
-    graphdef: nnx.GraphDef, treedef: PyTreeDef, param_leaves: list, pools: Pools, batch: StepBatch, *, decode: bool, all_logits: bool
+    graphdef: nnx.GraphDef, treedef: PyTreeDef, param_leaves: list, pools: Pools, batch: StepBatch, *, decode: bool,
+    all_logits: bool, rows: jax.Array | None = None,
 ) -> tuple[jax.Array, Pools]:
     """One pure forward step: merges the model inside, returns logits and the new pools."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
-    return model(pools, batch, decode=decode, all_logits=all_logits)
+    return model(pools, batch, decode=decode, all_logits=all_logits, rows=rows)
 
 
 def _sample_step(
@@ -38,8 +39,9 @@ def _sample_step(
     decode: bool,
     num_logprobs: int,
 ) -> tuple[SampleOutput, Pools]:
-    """One engine step: forward, then sample each sequence's next token on device."""
-    logits, pools = _model_step(graphdef, treedef, param_leaves, pools, batch, decode=decode, all_logits=False)
+    """One engine step: forward, then sample each sequence's sample rows on device."""
+    logits, pools = _model_step(graphdef, treedef, param_leaves, pools, batch, decode=decode, all_logits=False,
+                                rows=sampling.sample_rows.reshape(-1))
     return sample_tokens(logits, sampling, num_logprobs), pools
 
 

@@ -1,4 +1,9 @@
-"""The on-device sampler, run inside the jitted step on each sequence's last-token logits."""
+"""The on-device sampler, run inside the jitted step on the logits of each sequence's sample rows.
+
+A sequence samples after its last token; in a verify step (speculation) after each of its
+last `W` tokens: row j of a sequence with d drafts draws output index `steps + j - (W - 1 - d)`
+under the same settings and key as a plain decode step drawing that index, with the drafts
+before it counted in the penalties' history."""
 
 import dataclasses
 
@@ -20,10 +25,31 @@ class SamplingBatch:
     repetition_penalty: jax.Array  # [S] float32
     seeds: jax.Array  # [S] uint32
     steps: jax.Array  # [S] int32: index of the output token being drawn
-    history: jax.Array  # [S, L] int32: prompt then output tokens, -1 padded
+    history: jax.Array  # [S, L] int32: prompt then output tokens, then drafts; -1 padded
+    history_lens: jax.Array  # [S] int32: tokens of `history` before the drafts
     prompt_lens: jax.Array  # [S] int32
-    banned: jax.Array  # [S, B] int32: ids that may not be drawn now (min_tokens), -1 padded
+    banned: jax.Array  # [S, B] int32: ids that may not be drawn before output index min_tokens, -1 padded
+    min_tokens: jax.Array  # [S] int32
     wants_logprobs: jax.Array  # [S] bool: the row asked for its top log-probabilities
+    sample_rows: jax.Array  # [S, W] int32: flat token index of each sample row (the last W tokens)
+    num_drafts: jax.Array  # [S] int32: drafts among them (0: only the last row is used)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSettings:
+    """Per sample row: its sequence, the output index it draws and its history length."""
+
+    seq: jax.Array  # [S * W] int32
+    steps: jax.Array  # [S * W] int32
+    history_lens: jax.Array  # [S * W] int32
+
+
+def row_settings(sb: SamplingBatch) -> RowSettings:
+    num_seqs, width = sb.sample_rows.shape
+    offset = jnp.maximum(jnp.arange(width)[None, :] - (width - 1 - sb.num_drafts[:, None]), 0)  # [S, W]
+    seq = jnp.repeat(jnp.arange(num_seqs, dtype=jnp.int32), width)
+    return RowSettings(seq, (sb.steps[:, None] + offset).reshape(-1), (sb.history_lens[:, None] + offset).reshape(-1))
 
 
 @jax.tree_util.register_dataclass
@@ -31,21 +57,23 @@ class SamplingBatch:
 class SampleOutput:
     """What the step returns per sequence."""
 
-    tokens: jax.Array  # [S] int32
-    logprob: jax.Array  # [S] float32: raw log-probability of the chosen token
-    top_logprobs: jax.Array  # [S, K] float32: the K most likely tokens' raw log-probabilities (0 unless asked)
-    top_ids: jax.Array  # [S, K] int32 (0 unless some row asked)
+    tokens: jax.Array  # [S, W] int32
+    logprob: jax.Array  # [S, W] float32: raw log-probability of the chosen token
+    top_logprobs: jax.Array  # [S, W, K] float32: the K most likely tokens' raw log-probabilities (0 unless asked)
+    top_ids: jax.Array  # [S, W, K] int32 (0 unless some row asked)
 
 
-def _apply_penalties(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
-    num_seqs, vocab = logits.shape
-    length = sb.history.shape[1]
-    valid = sb.history >= 0
+def _apply_penalties(logits: jax.Array, sb: SamplingBatch, rows: RowSettings) -> jax.Array:
+    """`sb` holds per-row settings; `rows` says which history each row counts."""
+    num_rows, vocab = logits.shape
+    history = sb.history[rows.seq]  # [R, L]
+    length = history.shape[1]
+    valid = (history >= 0) & (jnp.arange(length)[None, :] < rows.history_lens[:, None])
     is_output = valid & (jnp.arange(length)[None, :] >= sb.prompt_lens[:, None])
-    rows = jnp.arange(num_seqs)[:, None]
-    ids = jnp.clip(sb.history, 0, vocab - 1)
-    out_counts = jnp.zeros((num_seqs, vocab), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))
-    seen = jnp.zeros((num_seqs, vocab), bool).at[rows, ids].max(valid)
+    row_ids = jnp.arange(num_rows)[:, None]
+    ids = jnp.clip(history, 0, vocab - 1)
+    out_counts = jnp.zeros((num_rows, vocab), jnp.float32).at[row_ids, ids].add(is_output.astype(jnp.float32))
+    seen = jnp.zeros((num_rows, vocab), bool).at[row_ids, ids].max(valid)
     rep = sb.repetition_penalty[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - sb.frequency_penalty[:, None] * out_counts
@@ -69,32 +97,39 @@ def _filter(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     return jnp.where(p < sb.min_p[:, None] * p.max(axis=-1, keepdims=True), -jnp.inf, logits)
 
 
-def sample_tokens(logits: jax.Array, sb: SamplingBatch, num_logprobs: int) -> SampleOutput:
-    """Samples one token per row of `logits` [S, V] under each row's settings."""
+def sample_tokens(logits: jax.Array, seq_sb: SamplingBatch, num_logprobs: int) -> SampleOutput:
+    """Samples one token per sample row of `logits` [S * W, V] (row j of sequence i at
+    i * W + j) under its sequence's settings."""
+    num_seqs, width = seq_sb.sample_rows.shape
+    rows = row_settings(seq_sb)
+    # Per-row settings (the history stays per sequence: `rows` says how much of it each row counts).
+    per_row = {f.name: getattr(seq_sb, f.name)[rows.seq] for f in dataclasses.fields(seq_sb)
+               if f.name not in ("history", "sample_rows", "steps")}
+    sb = dataclasses.replace(seq_sb, **per_row, steps=rows.steps)
     logits = jnp.asarray(logits, jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    rows = jnp.arange(logits.shape[0])[:, None]
-    logits = logits.at[rows, jnp.clip(sb.banned, 0, logits.shape[1] - 1)].min(
-        jnp.where(sb.banned >= 0, -jnp.inf, jnp.inf)
-    )
+    row_ids = jnp.arange(logits.shape[0])[:, None]
+    banned = jnp.where((rows.steps < sb.min_tokens)[:, None], sb.banned, -1)
+    logits = logits.at[row_ids, jnp.clip(banned, 0, logits.shape[1] - 1)].min(jnp.where(banned >= 0, -jnp.inf, jnp.inf))
     # Penalties scatter every row's history over the vocabulary: only when some row has one.
     penalised = jnp.any(sb.repetition_penalty != 1) | jnp.any(sb.frequency_penalty != 0) | jnp.any(
         sb.presence_penalty != 0
     )
-    logits = jax.lax.cond(penalised, _apply_penalties, lambda logits, sb: logits, logits, sb)
+    logits = jax.lax.cond(penalised, _apply_penalties, lambda logits, sb, rows: logits, logits, sb, rows)
     greedy = jnp.argmax(logits, axis=-1)
     temp = jnp.where(sb.temperature > 0, sb.temperature, 1.0)
 
     def draw(row: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
         return jax.random.categorical(jax.random.fold_in(jax.random.key(seed), step), row)
 
-    def sample(scaled: jax.Array) -> jax.Array:  # [S, V] -> [S]
+    def sample(scaled: jax.Array) -> jax.Array:  # [R, V] -> [R]
         return jax.vmap(draw)(_filter(scaled, sb), sb.seeds, sb.steps).astype(greedy.dtype)
 
     # The filters sort the vocabulary and the draw makes V random numbers per row: skip
     # both when every row is greedy.
     drawn = jax.lax.cond(jnp.any(sb.temperature > 0), sample, lambda scaled: greedy, logits / temp[:, None])
     tokens = jnp.where(sb.temperature > 0, drawn, greedy).astype(jnp.int32)
+
     def top(logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
         values, ids = jax.lax.top_k(logprobs, num_logprobs)
         return values, ids.astype(jnp.int32)
@@ -105,4 +140,5 @@ def sample_tokens(logits: jax.Array, sb: SamplingBatch, num_logprobs: int) -> Sa
 
     top_logprobs, top_ids = jax.lax.cond(jnp.any(sb.wants_logprobs), top, none, raw_logprobs)
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    return SampleOutput(tokens, chosen, top_logprobs, top_ids)
+    by_seq = lambda a: a.reshape(num_seqs, width, *a.shape[1:])  # noqa: E731
+    return SampleOutput(by_seq(tokens), by_seq(chosen), by_seq(top_logprobs), by_seq(top_ids))

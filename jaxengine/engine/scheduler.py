@@ -19,6 +19,7 @@ Prefix caching (host side only; the device just follows the index arrays):
 import collections
 import dataclasses
 import math
+from collections.abc import Callable
 
 from jaxengine.cache import checkpoint_policy
 from jaxengine.cache.block_hash import extend_hashes, root_hash
@@ -41,12 +42,18 @@ class CheckpointSave:
 @dataclasses.dataclass
 class ScheduledStep:
     """One step's work: `num_tokens[i]` new tokens of `seqs[i]`; the checkpoints it reads
-    (`restores`: sequence index, blocks) and the ones it stores (`saves`)."""
+    (`restores`: sequence index, blocks) and the ones it stores (`saves`). A speculating
+    sequence's tokens are its pending token then its `drafts[i]` (so `num_tokens[i]` is
+    1 + len(drafts[i])); the others have no drafts."""
 
     seqs: list[Sequence]
     num_tokens: list[int]
     restores: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
     saves: list[CheckpointSave] = dataclasses.field(default_factory=list)
+    drafts: list[list[int]] = dataclasses.field(default_factory=list)
+
+    def drafts_of(self, i: int) -> list[int]:
+        return self.drafts[i] if self.drafts else []
 
     @property
     def is_decode(self) -> bool:
@@ -80,6 +87,8 @@ class Scheduler:
         cache: PrefixCache,
         slots: LiveSlots | None,
         retention_interval: int | None = checkpoint_policy.DENSE,
+        propose: Callable[[Sequence, int], list[int]] | None = None,
+        num_speculative_tokens: int = 0,
     ):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -87,6 +96,10 @@ class Scheduler:
         self.cache = cache
         self.slots = slots  # None for models without recurrent layers
         self.retention_interval = retention_interval
+        # Speculation: `propose(seq, at_most)` drafts tokens for a sequence about to decode;
+        # each sequence then owns a live slot per draft position besides its read and write slots.
+        self.propose = propose
+        self.slots_per_seq = 2 + num_speculative_tokens
         self.caching = cache.enabled
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -151,7 +164,7 @@ class Scheduler:
         match = self.cache.match(hashes)
         slots = None
         if self.slots is not None:
-            slots = self.slots.alloc(2)
+            slots = self.slots.alloc(self.slots_per_seq)
             if slots is None:
                 return 0
         self.cache.acquire(match)
@@ -197,7 +210,10 @@ class Scheduler:
         pending = sorted(self.running, key=lambda s: s.num_uncomputed > 1)
         while pending and budget > 0:
             seq = pending.pop(0)
-            n = min(seq.num_uncomputed, budget)
+            drafts = self._drafts(seq, budget)
+            n = min(seq.num_uncomputed, budget) + len(drafts)
+            if drafts and not self.grow_pages(seq, seq.num_computed + n):
+                drafts, n = [], 1  # no page for the drafts: decode plainly
             while not self.grow_pages(seq, seq.num_computed + n):
                 victim = pending.pop() if pending else seq
                 self._preempt(victim)
@@ -207,6 +223,7 @@ class Scheduler:
                 continue
             step.seqs.append(seq)
             step.num_tokens.append(n)
+            step.drafts.append(drafts)
             budget -= n
         # Admit waiting sequences while everything they need can be had.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -219,10 +236,17 @@ class Scheduler:
             self.running.append(seq)
             step.seqs.append(seq)
             step.num_tokens.append(n)
+            step.drafts.append([])
             budget -= n
         step.restores = [(i, seq.restore.blocks) for i, seq in enumerate(step.seqs) if seq.restore is not None]
         step.saves = self._plan_saves(step)
         return step
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a running sequence about to decode (none for others)."""
+        if self.propose is None or seq.num_uncomputed != 1 or seq.status is not Status.RUNNING or budget < 2:
+            return []
+        return self.propose(seq, budget - 1)
 
     def _plan_saves(self, step: ScheduledStep) -> list[CheckpointSave]:
         """The checkpoints this step stores, where the cache has room for them: edges first,
@@ -232,6 +256,9 @@ class Scheduler:
         wanted = []
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
             hashes = self._hashes(seq)
+            if step.drafts_of(i):  # pages its drafts complete, hashed as if accepted (kept only if they are)
+                hashes = extend_hashes(list(hashes), seq.tokens + step.drafts_of(i), self.page_size,
+                                       root_hash(seq.cache_salt))
             for pos, kind in checkpoint_policy.plan(
                 seq.num_computed, seq.num_computed + n, page_size=self.page_size, interval=self.retention_interval,
                 prefill_boundary=seq.prefill_boundary, junction=seq.junction,
@@ -256,19 +283,31 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after a step
 
-    def update(self, step: ScheduledStep) -> None:
-        """Advances the step's sequences: pages to register, checkpoints to keep, slots to swap."""
-        for seq, n in zip(step.seqs, step.num_tokens):
+    def update(self, step: ScheduledStep, kept: list[int] | None = None) -> None:
+        """Advances the step's sequences: pages to register, checkpoints to keep, slots to swap.
+
+        `kept[i]`: how many of sequence i's drafts count as computed (the accepted ones, up
+        to a stop); the step's states after the others are never read, its KV for them is
+        overwritten later, and its checkpoints past them are dropped."""
+        for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
+            drafts = step.drafts_of(i)
+            rejected = len(drafts) - kept[i] if drafts else 0
+            n -= rejected
+            if seq.owned_slots:
+                # The state after its last computed token: the step's final state, or after a
+                # rejection the one after that position (its pending token is position 0).
+                seq.read_slot = seq.position_slots[kept[i]] if rejected else seq.write_slot
             seq.num_computed += n
             if self.caching:
                 self._register_pages(seq)
             if seq.restore is not None:
                 self.cache.unpin(seq.restore)
                 seq.restore = None
-            if seq.owned_slots:
-                seq.read_slot = seq.write_slot
         for save in step.saves:
             seq = step.seqs[save.seq_index]
+            if save.position > seq.num_computed:  # after a rejected draft
+                self.cache.cancel(save.blocks)
+                continue
             block_hash = self._hashes(seq)[save.position // self.page_size - 1]
             if self.cache.commit(save.blocks, block_hash, save.kind.origin, self._hits(seq, save.kind)) is not None:
                 self._note_edge(seq, save, block_hash)

@@ -31,7 +31,8 @@ class Sequence:
     cache_salt: str | None = None
     num_computed: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)  # KV blocks of its page table
-    # Recurrent state: the two live slots it owns; each step reads one and writes the other.
+    # Recurrent state: the live slots it owns (two, plus one per draft position when
+    # speculating); each step reads one and writes the others.
     owned_slots: list[int] = dataclasses.field(default_factory=list)
     read_slot: int = 0
     restore: Checkpoint | None = None  # the cached checkpoint its next step reads instead (a hit)
@@ -67,5 +68,11 @@ class Sequence:
 
     @property
     def write_slot(self) -> int:
-        """The owned slot its next step writes: whichever owned slot it does not read."""
+        """The owned slot its next step writes its final state to: the first it does not read."""
         return self.owned_slots[1] if self.read_slot == self.owned_slots[0] else self.owned_slots[0]
+
+    @property
+    def position_slots(self) -> list[int]:
+        """Its other owned slots (when speculating): a verify step writes the state after its
+        pending token and after each draft but the last to these, in order."""
+        return [s for s in self.owned_slots if s not in (self.read_slot, self.write_slot)]

@@ -34,6 +34,11 @@ class StepBatch:
     save_seq: jax.Array  # [C] int32
     save_pos: jax.Array  # [C] int32 (-1 for padding)
     save_blocks: jax.Array  # [C, blocks_per_checkpoint] int32 (the null block 0 for padding)
+    # Speculation: the state of sequence `state_seq[p]` after absolute position
+    # `state_pos[p]` (its pending token or a draft) goes to live slot `state_slots[p]`.
+    state_seq: jax.Array  # [P] int32
+    state_pos: jax.Array  # [P] int32 (-1 for padding)
+    state_slots: jax.Array  # [P] int32 (the null slot 0 for padding)
 
 
 @jax.tree_util.register_dataclass
@@ -84,3 +89,22 @@ def token_layout(batch: StepBatch, page_size: int) -> TokenLayout:
     page = batch.page_table[seq, positions // page_size]
     slot_mapping = jnp.where(valid, page * page_size + positions % page_size, 0)
     return TokenLayout(seq, valid, positions, slot_mapping, start_pos)
+
+
+def state_requests(batch: StepBatch) -> tuple[jax.Array, jax.Array]:
+    """Every (sequence, position) a step returns states at: its checkpoint saves, then a
+    verify step's draft positions ([C + P] each)."""
+    if not batch.state_seq.shape[0]:
+        return batch.save_seq, batch.save_pos
+    return jnp.concatenate([batch.save_seq, batch.state_seq]), jnp.concatenate([batch.save_pos, batch.state_pos])
+
+
+def states_at_requests(states_at, batch: StepBatch, window: int) -> jax.Array:
+    """`states_at(seq, pos, window)` for the checkpoint saves (`window`: the scan's row length)
+    then for a verify step's draft positions: those lie at most k + 1 tokens into their
+    sequence's segment (k = P / S, the drafts per sequence), so a window of k + 1 covers them."""
+    out = states_at(batch.save_seq, batch.save_pos, window)
+    if not batch.state_seq.shape[0]:
+        return out
+    short = min(window, batch.state_seq.shape[0] // batch.kv_lens.shape[0] + 1)
+    return jnp.concatenate([out, states_at(batch.state_seq, batch.state_pos, short)])

@@ -3,7 +3,7 @@ states its checkpoints save (Mamba2 and Gated DeltaNet both run one before their
 
 import jax
 
-from jaxengine.models.batch import StepBatch, TokenLayout
+from jaxengine.models.batch import StepBatch, TokenLayout, state_requests
 from jaxengine.models.kernels import KernelOps
 from pallas_kernels.causal_conv1d import conv_states_after
 
@@ -19,10 +19,12 @@ def conv_step(
     decode: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns the conv output [T, C] (no activation), each sequence's conv state after this
-    step [S, C, K], and the conv states after each `batch.save_pos` [C_saves, C, K]."""
+    step [S, C, K], and the conv states at the step's state requests [C_saves (+ P), C, K]
+    (`batch.state_requests`)."""
     if decode:
         out, conv_out = ops.causal_conv1d_update(x, weight, bias, conv_in)
         return out, conv_out, conv_out[batch.save_seq]
     out, conv_out = ops.ragged_causal_conv1d(x, weight, bias, conv_in, batch.cu_q_lens)
-    consumed = batch.save_pos - layout.start_pos[batch.save_seq]  # tokens of this step before each save
-    return out, conv_out, conv_states_after(x, conv_in, batch.cu_q_lens, batch.save_seq, consumed)
+    seq, pos = state_requests(batch)
+    consumed = pos - layout.start_pos[seq]  # tokens of this step before each requested state
+    return out, conv_out, conv_states_after(x, conv_in, batch.cu_q_lens, seq, consumed)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxengine.models.batch import StepBatch, TokenLayout
+from jaxengine.models.batch import StepBatch, TokenLayout, states_at_requests
 from jaxengine.models.config import GatedDeltaConfig
 from jaxengine.models.conv_step import conv_step
 from jaxengine.models.kernels import KernelOps
@@ -55,8 +55,9 @@ class GatedDeltaMixer(nnx.Module):
         ops: KernelOps,
         decode: bool,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-        """Returns out [T, D], the states after this step and the states after each
-        `batch.save_pos` (conv [C, conv_dim, K], recurrent [C, Hv, dk, dv] float32)."""
+        """Returns out [T, D], the states after this step and the states at the step's state
+        requests, checkpoint saves then draft positions (conv [C, conv_dim, K], recurrent
+        [C, Hv, dk, dv] float32)."""
         cfg = self.cfg
         num_tokens = x.shape[0]
         heads, dk, dv = cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim
@@ -84,9 +85,11 @@ class GatedDeltaMixer(nnx.Module):
                 q, k, v, g, beta, state_in, batch.cu_q_lens, layout.start_pos, chunk_size=cfg.chunk_size, scale=scale
             )
             o, state_out = scan.o, scan.final_states
-            save_state = gated_delta_states_at(
-                k, v, g, beta, state_in, batch.cu_q_lens, layout.start_pos, scan, batch.save_seq, batch.save_pos,
-                window=ops.scan_row(cfg.chunk_size),
+            save_state = states_at_requests(
+                lambda seq, pos, window: gated_delta_states_at(
+                    k, v, g, beta, state_in, batch.cu_q_lens, layout.start_pos, scan, seq, pos, window=window
+                ),
+                batch, ops.scan_row(cfg.chunk_size),
             )
         o = self.norm(o.astype(x.dtype), z.reshape(num_tokens, heads, dv))
         return self.out_proj(o.reshape(num_tokens, -1)), (conv_out, state_out), (save_conv, save_state)

@@ -59,12 +59,14 @@ class HybridLM(nnx.Module):
             self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(
-        self, pools: Pools, batch: StepBatch, *, decode: bool = False, all_logits: bool = False
+        self, pools: Pools, batch: StepBatch, *, decode: bool = False, all_logits: bool = False,
+        rows: jax.Array | None = None,
     ) -> tuple[jax.Array, Pools]:
         """Runs one ragged step.
 
-        Returns float32 logits `[T, V]` for every token when `all_logits`, else `[S, V]` for
-        each sequence's last token this step, and the updated pools."""
+        Returns float32 logits `[T, V]` for every token when `all_logits`, `[R, V]` for the
+        flat token indices `rows` [R] when given, else `[S, V]` for each sequence's last token
+        this step; and the updated pools."""
         cfg = self.cfg
         ops: KernelOps = kernel_ops(self.kernels)
         page_size = pools.k_pages[0].shape[1] if pools.k_pages else 1  # without attention: unused
@@ -81,6 +83,9 @@ class HybridLM(nnx.Module):
         fresh = layout.start_pos == 0  # [S]
         reads = not decode and batch.restore_blocks.shape[1] > 0  # decode steps never start from a hit
         hit = batch.restore_blocks[:, 0] > 0 if reads else None  # [S]
+        # A mixer returns states at the checkpoints' positions (the first C), then at a verify
+        # step's draft positions (for their live slots).
+        num_saves = batch.save_seq.shape[0]
 
         h = self.embed[...][batch.input_ids]
         if cfg.embedding_multiplier != 1.0:
@@ -97,8 +102,11 @@ class HybridLM(nnx.Module):
                 mixer = getattr(layer, layer.spec.mixer)
                 out, final, saved = mixer(layer.mixer_norm(h), initial, batch, layout, ops, decode)
                 states[rec_i] = written_pools(states[rec_i], batch.write_slots, final)
-                if batch.save_seq.shape[0]:
-                    ckpts.write(store, batch.save_blocks, rec_i, saved)
+                if batch.state_seq.shape[0]:
+                    at_positions = tuple(a[num_saves:] for a in saved)
+                    states[rec_i] = written_pools(states[rec_i], batch.state_slots, at_positions)
+                if num_saves:
+                    ckpts.write(store, batch.save_blocks, rec_i, tuple(a[:num_saves] for a in saved))
                 rec_i += 1
             if layer.spec.mixer is not None:
                 h = h + out * cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else h + out
@@ -107,7 +115,9 @@ class HybridLM(nnx.Module):
                 out = ffn(layer.ffn_norm(h))
                 h = h + out * cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else h + out
 
-        if not all_logits:
+        if rows is not None:
+            h = h[rows]
+        elif not all_logits:
             last = jnp.clip(batch.cu_q_lens[1:] - 1, 0, h.shape[0] - 1)  # [S]
             h = h[last]
         h = self.final_norm(h)

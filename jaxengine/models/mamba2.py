@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxengine.models.batch import StepBatch, TokenLayout
+from jaxengine.models.batch import StepBatch, TokenLayout, states_at_requests
 from jaxengine.models.config import MambaConfig
 from jaxengine.models.conv_step import conv_step
 from jaxengine.models.kernels import KernelOps
@@ -51,8 +51,8 @@ class Mamba2Mixer(nnx.Module):
         decode: bool,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
         """Returns out [T, D], the states after this step (conv [S, conv_dim, K], SSM
-        [S, H, P, N] float32) and the states to save: conv [C, conv_dim, K] and SSM
-        [C, H, P, N] float32 after each `batch.save_pos`."""
+        [S, H, P, N] float32) and the states at the step's state requests (checkpoint saves,
+        then draft positions): conv [C, conv_dim, K] and SSM [C, H, P, N] float32."""
         cfg = self.cfg
         num_tokens = x.shape[0]
         inner, gn = cfg.intermediate_size, cfg.n_groups * cfg.state_size
@@ -78,9 +78,11 @@ class Mamba2Mixer(nnx.Module):
                 xs, dt, A, B, C, state_in, batch.cu_q_lens, layout.start_pos, chunk_size=cfg.chunk_size
             )
             y, state_out = scan.y, scan.final_states
-            save_ssm = ssd_states_at(
-                xs, dt, A, B, state_in, batch.cu_q_lens, layout.start_pos, scan, batch.save_seq, batch.save_pos,
-                window=ops.scan_row(cfg.chunk_size),
+            save_ssm = states_at_requests(
+                lambda seq, pos, window: ssd_states_at(
+                    xs, dt, A, B, state_in, batch.cu_q_lens, layout.start_pos, scan, seq, pos, window=window
+                ),
+                batch, ops.scan_row(cfg.chunk_size),
             )
 
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs.astype(jnp.float32)

@@ -12,7 +12,8 @@ sequence's states before the step and returns them after it:
         -> out [T, D], final: tuple of [S, *shape], saved: tuple of [C, *shape]
 
 where `saved[i][c]` is the state after absolute position `batch.save_pos[c]` of sequence
-`batch.save_seq[c]` (the checkpoints this step stores).
+`batch.save_seq[c]` (the checkpoints this step stores), followed in a verify step by the
+states after its draft positions (`batch.state_requests`: `state_seq`, `state_pos`).
 """
 
 import dataclasses

@@ -158,8 +158,8 @@ def test_a_hundred_random_interrupts(llm, expected):
     interrupted = 0
     for i in range(100):
         timer = threading.Timer(rng.uniform(0, 0.05), signal.raise_signal, (signal.SIGINT,))
-        timer.start()
         try:
+            timer.start()  # a short delay may fire while start() still waits for the thread
             llm.generate(WORKLOAD, PARAMS, use_tqdm=False)
             timer.join()  # a signal sent after the call returned lands here
             time.sleep(0.01)

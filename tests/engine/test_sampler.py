@@ -7,7 +7,12 @@ import pytest
 from jaxengine.engine import sampler
 from jaxengine.engine.sampler import SamplingBatch
 
-sample_tokens = jax.jit(sampler.sample_tokens, static_argnames="num_logprobs")
+_sample = jax.jit(sampler.sample_tokens, static_argnames="num_logprobs")
+
+
+def sample_tokens(logits, sb, num_logprobs):
+    """One sample row per sequence (a plain step): the outputs without the row axis."""
+    return jax.tree.map(lambda a: a[:, 0], _sample(logits, sb, num_logprobs=num_logprobs))
 
 VOCAB = 8
 
@@ -25,9 +30,13 @@ def _batch(n: int, **overrides) -> SamplingBatch:
         seeds=np.arange(n, dtype=np.uint32),
         steps=np.zeros(n, np.int32),
         history=np.full((n, 6), -1, np.int32),
+        history_lens=np.full(n, 6, np.int32),
         prompt_lens=np.zeros(n, np.int32),
         banned=np.full((n, 4), -1, np.int32),
+        min_tokens=np.zeros(n, np.int32),
         wants_logprobs=np.ones(n, bool),
+        sample_rows=np.arange(n, dtype=np.int32)[:, None],
+        num_drafts=np.zeros(n, np.int32),
     )
     for key, value in overrides.items():
         fields[key] = np.asarray(value, dtype=fields[key].dtype)
@@ -114,8 +123,10 @@ def test_penalties_match_the_written_out_rule(presence, frequency, repetition):
 def test_banned_tokens_are_never_drawn():
     logits = np.zeros((1, VOCAB), np.float32)
     logits[0, 4] = 10.0
-    sb = _batch(1, banned=[[4, 6, -1, -1]])
+    sb = _batch(1, banned=[[4, 6, -1, -1]], min_tokens=[1])
     assert int(sample_tokens(logits, sb, num_logprobs=1).tokens[0]) != 4
+    after = _batch(1, banned=[[4, 6, -1, -1]], min_tokens=[1], steps=[1])  # output index 1: min_tokens reached
+    assert int(sample_tokens(logits, after, num_logprobs=1).tokens[0]) == 4
     sampled = _draws(logits, n=200)
     assert 4 in set(sampled)  # without the ban it dominates
 
@@ -127,3 +138,23 @@ def test_top_logprobs_only_when_some_row_asks():
     np.testing.assert_array_equal(out.top_ids, 0)
     asked = sample_tokens(logits, _batch(2, wants_logprobs=[False, True]), num_logprobs=3)
     np.testing.assert_array_equal(asked.top_ids[1], np.argsort(-logits[1])[:3])
+
+
+def test_verify_rows_draw_each_output_index_as_a_plain_step_would():
+    """A sequence with 2 drafts samples 3 rows (width 4: the first row unused); row j must
+    draw output index steps + j with the drafts before it in the penalties' history and
+    min_tokens counted per index: the same draws as three plain one-row steps."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(4, VOCAB)).astype(np.float32) * 2
+    history = np.array([[3, 1, 3, 5, 2, 7]], np.int32)  # prompt 3, 1; output 3, 5; drafts 2, 7
+    settings = dict(temperature=[0.9], seeds=[5], prompt_lens=[2], presence_penalty=[0.7], repetition_penalty=[1.3],
+                    banned=[[2, -1, -1, -1]], min_tokens=[4])
+    verify = _sample(logits, _batch(1, history=history, history_lens=[4], steps=[2], sample_rows=[[0, 1, 2, 3]],
+                                    num_drafts=[2], **settings), num_logprobs=1)
+    for j in range(3):
+        limit = 4 + j
+        plain = _batch(1, history=np.where(np.arange(6) < limit, history, -1), history_lens=[limit], steps=[2 + j],
+                       **settings)
+        want = sample_tokens(logits[1 + j : 2 + j], plain, num_logprobs=1)
+        assert int(verify.tokens[0, 1 + j]) == int(want.tokens[0]), j
+        np.testing.assert_allclose(verify.logprob[0, 1 + j], want.logprob[0], rtol=1e-6)

@@ -1,0 +1,128 @@
+"""Speculative decoding: the `speculative_config` engine argument, the ngram proposer, the
+acceptance rule and the counters `stats()` reports.
+
+A speculating sequence's step verifies its drafts: its pending token and its `d` draft tokens
+go through the target model as one segment of `1 + d` tokens, the step samples a token after
+each of them, and the host keeps the drafts the target agrees with plus the target's own next
+token (`accept`). Each row is sampled exactly as a plain decode step would sample that output
+position (same settings, same per-request key for that output index), so a draft is accepted
+with the probability the target gives it and a rejection leaves the target's own draw: for a
+deterministic draft (one token per position, as ngram's) this is the standard rejection rule
+(accept with min(1, p/q), q one-hot; otherwise draw from the normalised max(0, p - q)), and
+seeded outputs are the same tokens with and without speculation.
+"""
+
+import dataclasses
+
+import numpy as np
+
+METHODS = ("ngram", "draft_model", "mtp")
+IMPLEMENTED = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` fields that jaxengine reads."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    @classmethod
+    def parse(cls, raw: dict, max_num_batched_tokens: int) -> "SpeculativeConfig":
+        """Reads the engine argument; a ValueError names the first bad field."""
+        where = "engine argument speculative_config"
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where} must be a mapping, got {type(raw).__name__}")
+        known = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+        for key in raw:
+            if key not in known:
+                raise ValueError(f"{where}: unknown key {key!r}; known: {', '.join(known)}")
+        method = raw.get("method")
+        if method not in METHODS:
+            raise ValueError(f"{where}.method must be one of {', '.join(METHODS)}, got {method!r}")
+        if method not in IMPLEMENTED:
+            raise ValueError(f"{where}.method={method!r} is not implemented yet (implemented: {', '.join(IMPLEMENTED)})")
+        k = raw.get("num_speculative_tokens")
+        if not _is_positive_int(k):
+            raise ValueError(f"{where}.num_speculative_tokens must be a positive integer, got {k!r}")
+        if k + 1 > max_num_batched_tokens:
+            raise ValueError(
+                f"{where}.num_speculative_tokens={k}: a verify step of {k + 1} tokens exceeds "
+                f"max_num_batched_tokens={max_num_batched_tokens}"
+            )
+        # vLLM's defaults: either bound alone sets both; neither gives 5.
+        lookup_max, lookup_min = raw.get("prompt_lookup_max"), raw.get("prompt_lookup_min")
+        lookup_max = lookup_max if lookup_max is not None else (lookup_min if lookup_min is not None else 5)
+        lookup_min = lookup_min if lookup_min is not None else lookup_max
+        for name, value in (("prompt_lookup_max", lookup_max), ("prompt_lookup_min", lookup_min)):
+            if not _is_positive_int(value):
+                raise ValueError(f"{where}.{name} must be a positive integer, got {value!r}")
+        if lookup_min > lookup_max:
+            raise ValueError(f"{where}: prompt_lookup_min={lookup_min} exceeds prompt_lookup_max={lookup_max}")
+        return cls(method, k, lookup_max, lookup_min)
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def ngram_proposal(tokens: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """Prompt lookup: the up to `k` tokens that followed the latest earlier occurrence of the
+    longest suffix of `tokens` (between `lookup_min` and `lookup_max` tokens long); [] if none."""
+    if k < 1 or len(tokens) < lookup_min + 1:
+        return []
+    arr = np.asarray(tokens, np.int64)
+    for n in range(min(lookup_max, len(tokens) - 1), lookup_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # every n-gram ending before the last token
+        starts = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+        if starts.size:
+            follow = starts[-1] + n
+            return arr[follow : follow + k].tolist()
+    return []
+
+
+def accept(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The tokens a verify step emits: the drafts up to the first one the target's own draw
+    disagrees with, then the target's draw there (after all drafts: its bonus token).
+    `sampled[j]` is the target's token after the pending token and the first j drafts."""
+    n = 0
+    while n < len(drafts) and sampled[n] == drafts[n]:
+        n += 1
+    return drafts[:n] + [sampled[n]]
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Counters since start: how many verify rows drafted each position and how many kept it."""
+
+    num_speculative_tokens: int
+    verifies: int = 0  # sequence-steps that verified at least one draft
+    draft_seconds: float = 0.0  # host time proposing
+    verify_seconds: float = 0.0  # time of the steps that verified drafts
+    drafted: list[int] = dataclasses.field(default_factory=list)  # per draft position
+    accepted: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.drafted = [0] * self.num_speculative_tokens
+        self.accepted = [0] * self.num_speculative_tokens
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.verifies += 1
+        for j in range(num_drafts):
+            self.drafted[j] += 1
+            self.accepted[j] += j < num_accepted
+
+    def as_dict(self) -> dict:
+        drafted, accepted = sum(self.drafted), sum(self.accepted)
+        return {
+            "spec_verifies": self.verifies,
+            "spec_draft_tokens": drafted,
+            "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "spec_acceptance_rate_per_position": [a / d if d else 0.0 for a, d in zip(self.accepted, self.drafted)],
+            "spec_mean_accepted_length": 1 + accepted / self.verifies if self.verifies else 0.0,
+            "spec_draft_seconds": self.draft_seconds,
+            "spec_verify_seconds": self.verify_seconds,
+        }

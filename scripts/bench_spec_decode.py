@@ -1,0 +1,110 @@
+"""Output tokens/s with and without speculative decoding, side by side in one process.
+
+The engine runs the embedded default model (a Bamba hybrid; `--model DIR` for another) on the
+Python snippets of `configs/prompts/python_starts.jsonl`, once without speculation and once
+with each `--methods` configuration, at each batch size, greedy and at temperature 0.7 (top-p
+0.95). Every request produces exactly `--max-tokens` tokens (end-of-sequence ignored). Each
+timed run gets fresh prompts (a snippet behind a unique comment line), so no run is served from
+an earlier one's prefix cache; runs alternate between the engines and the median of
+`--repeats` is kept. All engines are warmed up (every step shape compiled) before timing.
+
+Reported per row: output tokens/s of each engine (batch * max_tokens / wall time of one
+`generate` call, prefill included), the ratio speculative / plain, and the speculative engine's
+acceptance rate (accepted / drafted tokens) and mean accepted length (tokens emitted per
+verifying sequence-step, the bonus token included) over its timed runs.
+
+Usage (from the repository root):
+  PYTHONPATH=. python scripts/bench_spec_decode.py --batch-sizes 1 16 --max-tokens 96 --repeats 3 --json bench_spec_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+
+from jaxengine import LLM, SamplingParams
+from jaxengine.run_config import DEFAULT_MODEL
+
+PROMPTS = Path(__file__).resolve().parents[1] / "configs" / "prompts" / "python_starts.jsonl"
+# vLLM's documented ngram example, and a shorter lookahead.
+METHODS = {
+    "ngram-k5": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4},
+    "ngram-k3": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2},
+}
+SAMPLING = {"greedy": dict(temperature=0.0), "t0.7": dict(temperature=0.7, top_p=0.95)}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=sorted(METHODS))
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=Path("bench_spec_decode.json"))
+    return parser.parse_args()
+
+
+def snippets() -> list[str]:
+    return [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
+
+
+def fresh_prompts(batch: int, run: int) -> list[str]:
+    base = snippets()
+    return [f"# run {run}, request {i}\n{base[i % len(base)]}" for i in range(batch)]
+
+
+def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    assert all(len(o.token_ids) == params.max_tokens for o in outs)
+    return len(prompts) * params.max_tokens / wall
+
+
+def main() -> None:
+    args = parse_args()
+    engine_args = dict(max_num_seqs=max(args.batch_sizes), max_model_len=512, background_compile=False)
+    plain = LLM(args.model, **engine_args)
+    specs = {name: LLM(args.model, speculative_config=METHODS[name], **engine_args) for name in args.methods}
+    rows, run = [], 0
+    for batch in args.batch_sizes:
+        for label, sampling in SAMPLING.items():
+            params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=0, **sampling)
+            for llm in (plain, *specs.values()):  # untimed: first steps of these shapes
+                timed(llm, fresh_prompts(batch, run := run + 1), params)
+            before = {name: llm.stats() for name, llm in specs.items()}
+            speeds: dict[str, list[float]] = {"plain": [], **{name: [] for name in specs}}
+            for _ in range(args.repeats):
+                for name, llm in (("plain", plain), *specs.items()):
+                    speeds[name].append(timed(llm, fresh_prompts(batch, run := run + 1), params))
+            base = statistics.median(speeds["plain"])
+            for name, llm in specs.items():
+                now, then = llm.stats(), before[name]
+                drafted = now["spec_draft_tokens"] - then["spec_draft_tokens"]
+                accepted = now["spec_accepted_tokens"] - then["spec_accepted_tokens"]
+                verifies = now["spec_verifies"] - then["spec_verifies"]
+                spec = statistics.median(speeds[name])
+                rows.append(dict(batch=batch, sampling=label, method=name, plain_tokens_per_s=base,
+                                 spec_tokens_per_s=spec, ratio=spec / base,
+                                 acceptance_rate=accepted / drafted if drafted else 0.0,
+                                 mean_accepted_length=1 + accepted / verifies if verifies else 1.0))
+                print(f"batch {batch:3d} {label:6s} {name:9s} plain {base:8.1f} tok/s  spec {spec:8.1f} tok/s  "
+                      f"ratio {spec / base:5.2f}  acceptance {rows[-1]['acceptance_rate']:.2f}  "
+                      f"mean accepted length {rows[-1]['mean_accepted_length']:.2f}")
+    report = dict(date=datetime.date.today().isoformat(), machine=platform.processor() or platform.machine(),
+                  cpus=jax.local_device_count(), jax=jax.__version__, model=str(args.model),
+                  max_tokens=args.max_tokens, repeats=args.repeats, methods={m: METHODS[m] for m in specs}, rows=rows)
+    args.json.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

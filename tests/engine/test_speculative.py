@@ -1,0 +1,215 @@
+"""Speculative decoding: the same tokens as without it, whatever the drafts; rejected draft
+positions' states never read; the config checked before any work."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+
+from jaxengine import LLM, SamplingParams
+from jaxengine.engine.speculative import SpeculativeConfig, accept, ngram_proposal
+from jaxengine.run_config import ConfigError, load_run_config
+from tests.models.tiny_models import VOCAB_SIZE, random_prompt, save_tiny_model
+
+ARGS = dict(max_model_len=384, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False,
+            compilation_cache_dir=None)
+K = 3
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Attention only, Mamba2 with attention, Gated DeltaNet with gated attention.
+ARCHS = ("llama", "bamba", "qwen3_5")
+
+
+def _prompts() -> list[list[int]]:
+    """Five prompts for four sequence slots (a late admission makes mixed prefill and verify
+    steps); repetitive ones give ngram drafts."""
+    loop = [5, 6, 7, 8, 9] * 5
+    return [loop, random_prompt(37, 1), [3, 1, 4, 1, 5, 9, 2, 6] * 3, random_prompt(9, 2), loop[:13] + random_prompt(6, 3)]
+
+
+def _params(stop_id: int) -> list[SamplingParams]:
+    greedy = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    return [greedy, greedy, dataclasses.replace(greedy, stop_token_ids=(stop_id,)),
+            dataclasses.replace(greedy, min_tokens=10, stop_token_ids=(stop_id,)), greedy]
+
+
+def _run(llm: LLM, stop_id: int) -> list[tuple[list[int], str]]:
+    """Two rounds of the same prompts (the second hits the prefix cache)."""
+    out = []
+    for _ in range(2):
+        out += [(o.token_ids, o.finish_reason) for o in llm.generate(_prompts(), _params(stop_id), use_tqdm=False)]
+    return out
+
+
+def _oracle(want: dict[tuple, list[int]], wrong: bool):
+    """Drafts that are the target's own greedy continuation (always accepted) or never it."""
+    def draft(seq, limit):
+        done = seq.num_output_tokens
+        future = want[tuple(seq.tokens[: seq.num_prompt_tokens])][done : done + limit]
+        return [(t + 1) % VOCAB_SIZE for t in future] if wrong else future
+    return draft
+
+
+def _poison_unread_slots(llm: LLM) -> None:
+    """After every step, NaN into every live slot a running sequence owns but does not read
+    next (the states after rejected draft positions among them): reading one shows."""
+    engine = llm.engine
+    update = engine.scheduler.update
+
+    def poisoned(step, kept=None):
+        update(step, kept)
+        bad = [s for seq in engine.scheduler.running for s in seq.owned_slots if s != seq.read_slot]
+        if bad:
+            pools = engine.runner.pools
+            idx = jnp.asarray(bad)
+            states = tuple(tuple(a.at[idx].set(jnp.nan) for a in layer) for layer in pools.states)
+            engine.runner.pools = dataclasses.replace(pools, states=states)
+
+    engine.scheduler.update = poisoned
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_path, arch):
+    """Without speculation: the same engine given no drafts (its steps are then plain decode
+    and prefill steps; the seeded test below compares with an engine built without it)."""
+    save_tiny_model(arch, tmp_path)
+    llm = LLM(tmp_path, speculative_config=NGRAM, **ARGS)
+    llm.engine.draft = lambda seq, limit: []
+    first = llm.generate(_prompts()[2:3], _params(0)[0], use_tqdm=False)[0].token_ids
+    stop_id = first[5]  # a token the third prompt's output reaches
+    want = _run(llm, stop_id)
+    continuation = {tuple(p): o for p, (o, _) in zip(_prompts(), want)}
+    assert any(reason == "stop" for _, reason in want)
+    assert llm.stats()["spec_draft_tokens"] == 0
+
+    llm.engine.draft = llm.engine._ngram_draft
+    assert _run(llm, stop_id) == want  # ngram drafts
+    stats = llm.stats()
+    assert stats["spec_draft_tokens"] > 0 and stats["tokens_hit"] > 0
+
+    llm.engine.draft = _oracle(continuation, wrong=False)
+    before = llm.stats()
+    assert _run(llm, stop_id) == want
+    after = llm.stats()
+    assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] == (
+        after["spec_draft_tokens"] - before["spec_draft_tokens"]) > 0  # every draft accepted
+
+    llm.engine.draft = _oracle(continuation, wrong=True)
+    if llm.engine.scheduler.slots is not None:
+        _poison_unread_slots(llm)
+    before = llm.stats()
+    assert _run(llm, stop_id) == want
+    after = llm.stats()
+    assert after["spec_accepted_tokens"] == before["spec_accepted_tokens"]  # none accepted
+    assert after["spec_draft_tokens"] > before["spec_draft_tokens"]
+    llm.engine.scheduler.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def bamba_spec(tiny_models) -> LLM:
+    """Warmed up: every verify shape is compiled before the tests run (each checks that
+    nothing compiles after)."""
+    llm = LLM(tiny_models["bamba"][0], speculative_config=NGRAM, **{**ARGS, "warm_up": True},
+              background_compile=False)
+    compiled = llm.engine.runner.num_compiled_steps()
+    yield llm
+    assert llm.engine.runner.num_compiled_steps() == compiled, "a step compiled after warm-up"
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(tiny_models, bamba_spec):
+    """Each verify row draws its output index with the request's key for that index, so a
+    seeded request samples the same tokens (temperature, top-k, top-p; and greedy) as an
+    engine without speculation, whatever is accepted."""
+    params = [SamplingParams(max_tokens=12, temperature=t, seed=s, top_k=k, top_p=p, ignore_eos=True)
+              for t, s, k, p in ((0.8, 1, 0, 1.0), (0.8, 2, 20, 1.0), (0.8, 3, 0, 0.7), (0.0, 4, 0, 1.0))]
+    prompts = _prompts()[:4]
+    want = [o.token_ids for o in LLM(tiny_models["bamba"][0], **ARGS).generate(prompts, params, use_tqdm=False)]
+    continuation = {tuple(p): o for p, o in zip(prompts, want)}
+    bamba_spec.engine.draft = _oracle(continuation, wrong=False)  # right after the first token
+    try:
+        assert [o.token_ids for o in bamba_spec.generate(prompts, params, use_tqdm=False)] == want
+    finally:
+        bamba_spec.engine.draft = bamba_spec.engine._ngram_draft
+    assert bamba_spec.stats()["spec_accepted_tokens"] > 0
+
+
+def test_a_repeated_prompt_hits_under_speculation_on_the_first_repeat(bamba_spec):
+    prompt = random_prompt(300, 7)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first, second = (bamba_spec.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+    assert second.num_cached_tokens >= 272 and second.token_ids == first.token_ids
+
+
+def test_accepted_tokens_follow_the_target_distribution():
+    """The rule applied to one position: a draft d is kept when the target's own draw equals
+    it, else the draw is emitted. Over many draws the emitted token must follow p (chi-square)."""
+    rng = np.random.default_rng(0)
+    p = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    draws = rng.choice(len(p), size=(6000, 2), p=p)  # the target's draws after the pending token and the draft
+    for draft in (0, 3):
+        first = np.array([accept([draft], list(row))[0] for row in draws])
+        observed = np.bincount(first, minlength=len(p))
+        chi2 = ((observed - 6000 * p) ** 2 / (6000 * p)).sum()
+        assert chi2 < 20.5, (draft, observed)  # 5 degrees of freedom, p-value 0.001
+
+
+def test_accept_keeps_the_agreeing_prefix_and_the_target_token_after_it():
+    assert accept([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]  # all accepted, then the bonus token
+    assert accept([4, 5, 6], [4, 9, 6, 7]) == [4, 9]  # the first disagreement ends it
+    assert accept([4, 5, 6], [1, 5, 6, 7]) == [1]
+    assert accept([], [3]) == [3]
+
+
+def test_ngram_proposal_continues_the_latest_longest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 8, 7, 6, 1, 2, 3]
+    assert ngram_proposal(tokens, 2, 1, 3) == [8, 7]  # suffix 1 2 3: its latest earlier occurrence
+    assert ngram_proposal(tokens, 5, 1, 3) == [8, 7, 6, 1, 2]
+    assert ngram_proposal([1, 2, 3, 4], 3, 1, 3) == []  # no repeat
+    assert ngram_proposal([5, 1, 4, 2, 5], 3, 1, 3) == [1, 4, 2]  # only the 1-gram matches
+    assert ngram_proposal([5, 1, 4, 2, 5], 3, 2, 3) == []  # below prompt_lookup_min
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 40}, "max_num_batched_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": -1}, "prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "not implemented"),
+    ({"method": "draft_model", "model": "/nowhere", "num_speculative_tokens": 2}, "not implemented"),
+    ("ngram", "mapping"),
+])
+def test_bad_speculative_config_is_refused_before_loading(config, field, tmp_path):
+    with pytest.raises(ValueError, match="speculative_config") as err:
+        LLM(tmp_path / "no_model_here", speculative_config=config, **ARGS)  # fails before reading the model
+    assert field in str(err.value)
+
+
+def test_ngram_lookup_bounds_default_as_in_vllm():
+    def bounds(**given) -> tuple[int, int]:
+        config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, **given}, 16)
+        return config.prompt_lookup_min, config.prompt_lookup_max
+
+    assert bounds() == (5, 5)
+    assert bounds(prompt_lookup_max=4) == (4, 4)
+    assert bounds(prompt_lookup_min=2) == (2, 2)
+    assert bounds(prompt_lookup_min=2, prompt_lookup_max=4) == (2, 4)
+
+
+def test_speculative_config_in_a_yaml_engine_section(tmp_path):
+    def config(spec) -> str:
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump({"model": str(tmp_path), "engine": {"speculative_config": spec},
+                                        "input": str(tmp_path / "in.jsonl"), "output": "o", "metrics": "m"}))
+        (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
+        (tmp_path / "config.json").write_text("{}")
+        return path
+
+    assert load_run_config(config(NGRAM)).engine.speculative().num_speculative_tokens == K
+    with pytest.raises(ConfigError, match="speculative_config.num_speculative_tokens"):
+        load_run_config(config({"method": "ngram", "num_speculative_tokens": 0}))
