@@ -7,6 +7,8 @@ with each `--methods` configuration, at each batch size, greedy and at temperatu
 timed run gets fresh prompts (a snippet behind a unique comment line), so no run is served from
 an earlier one's prefix cache; runs alternate between the engines and the median of
 `--repeats` is kept. All engines are warmed up (every step shape compiled) before timing.
+Engine settings are the defaults but for `max_num_seqs` (the largest batch) and `max_model_len`
+512 (the default config's).
 
 Reported per row: output tokens/s of each engine (batch * max_tokens / wall time of one
 `generate` call, prefill included), the ratio speculative / plain, and the speculative engine's
@@ -71,7 +73,10 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
 
 def main() -> None:
     args = parse_args()
-    engine_args = dict(max_num_seqs=max(args.batch_sizes), max_model_len=512, background_compile=False)
+    # No stored steps: on XLA:CPU, steps loaded from files fail once the process compiles
+    # others, and the engines here compile different shapes.
+    engine_args = dict(max_num_seqs=max(args.batch_sizes), max_model_len=512, background_compile=False,
+                       compilation_cache_dir=None)
     plain = LLM(args.model, **engine_args)
     specs = {name: LLM(args.model, speculative_config=METHODS[name], **engine_args) for name in args.methods}
     rows, run = [], 0
