@@ -154,8 +154,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ prefix hits
 
-    def _hashes(self, seq: Sequence) -> list[bytes]:
-        return extend_hashes(seq.block_hashes, seq.tokens, self.page_size, root_hash(seq.cache_salt))
+    def _hashes(self, seq: Sequence, drafts: list[int] = ()) -> list[bytes]:
+        """Its full pages' hashes (cached on the sequence); with `drafts`, also of the pages
+        they would complete if accepted (not cached)."""
+        hashes = extend_hashes(seq.block_hashes, seq.tokens, self.page_size, root_hash(seq.cache_salt))
+        if drafts:
+            hashes = extend_hashes(list(hashes), seq.tokens + drafts, self.page_size, root_hash(seq.cache_salt))
+        return hashes
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Takes a waiting sequence into the running set; returns its first chunk's size
@@ -255,10 +260,7 @@ class Scheduler:
             return []
         wanted = []
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
-            hashes = self._hashes(seq)
-            if step.drafts_of(i):  # pages its drafts complete, hashed as if accepted (kept only if they are)
-                hashes = extend_hashes(list(hashes), seq.tokens + step.drafts_of(i), self.page_size,
-                                       root_hash(seq.cache_salt))
+            hashes = self._hashes(seq, step.drafts_of(i))  # checkpoints inside drafts are kept only if accepted
             for pos, kind in checkpoint_policy.plan(
                 seq.num_computed, seq.num_computed + n, page_size=self.page_size, interval=self.retention_interval,
                 prefill_boundary=seq.prefill_boundary, junction=seq.junction,
