@@ -7,8 +7,8 @@ with each `--methods` configuration, at each batch size, greedy and at temperatu
 timed run gets fresh prompts (a snippet behind a unique comment line), so no run is served from
 an earlier one's prefix cache; runs alternate between the engines and the median of
 `--repeats` is kept. All engines are warmed up (every step shape compiled) before timing.
-Engine settings are the defaults but for `max_num_seqs` (the largest batch) and `max_model_len`
-512 (the default config's).
+Engine settings are the defaults but for `max_num_seqs` (the largest batch; 16 is also the
+default) and, when given, `--max-model-len`.
 
 Reported per row: output tokens/s of each engine (batch * max_tokens / wall time of one
 `generate` call, prefill included), the ratio speculative / plain, and the speculative engine's
@@ -50,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the engines' max_model_len (default: the engine's own, as a user gets it)")
     parser.add_argument("--json", type=Path, default=Path("bench_spec_decode.json"))
     return parser.parse_args()
 
@@ -75,7 +77,7 @@ def main() -> None:
     args = parse_args()
     # No stored steps: on XLA:CPU, steps loaded from files fail once the process compiles
     # others, and the engines here compile different shapes.
-    engine_args = dict(max_num_seqs=max(args.batch_sizes), max_model_len=512, background_compile=False,
+    engine_args = dict(max_num_seqs=max(args.batch_sizes), max_model_len=args.max_model_len, background_compile=False,
                        compilation_cache_dir=None)
     plain = LLM(args.model, **engine_args)
     specs = {name: LLM(args.model, speculative_config=METHODS[name], **engine_args) for name in args.methods}
@@ -106,7 +108,7 @@ def main() -> None:
                       f"mean accepted length {rows[-1]['mean_accepted_length']:.2f}")
     report = dict(date=datetime.date.today().isoformat(), machine=platform.processor() or platform.machine(),
                   cpus=jax.local_device_count(), jax=jax.__version__, model=str(args.model),
-                  max_tokens=args.max_tokens, repeats=args.repeats, methods={m: METHODS[m] for m in specs}, rows=rows)
+                  max_tokens=args.max_tokens, repeats=args.repeats, max_model_len=args.max_model_len, methods={m: METHODS[m] for m in specs}, rows=rows)
     args.json.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
 
