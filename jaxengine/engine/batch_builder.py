@@ -2,10 +2,11 @@
 
 Shapes come from a small set of buckets so the step compiles once per bucket pair:
 token buckets `T` (16, 32, ... up to and including `max_num_batched_tokens`) and sequence
-buckets `S`. A decode step (one token per sequence) uses `T == S`. The checkpoints a step can
-store are part of its shape: a mixed step always has room for all it may plan; a decode step
-stores at most one per sequence, and most store none, so decode shapes come in save buckets
-(0, 1, 4, ... up to S) and a step pays only for the saves it has.
+buckets `S`. A decode step (one token per sequence) uses `T == S`; when speculating, a verify
+step (every sequence's pending token and up to k drafts, no prefill) uses `T == S * (k + 1)`.
+The checkpoints a step can store are part of its shape: a mixed step always has room for all
+it may plan; a decode or verify step stores a few per sequence at most, and most store none,
+so their shapes come in save buckets (0, 1, 4, ...) and a step pays only for the saves it has.
 """
 
 import dataclasses
@@ -55,7 +56,7 @@ class Shape:
 
     num_tokens: int
     num_seqs: int
-    decode: bool
+    decode: bool  # every sequence advances from its live state by at most T // S tokens
     num_saves: int = 0  # checkpoints the step can store
     sample_width: int = 1  # tokens sampled per sequence: its last `sample_width` (verify steps)
     num_position_states: int = 0  # states after draft positions the step can write to live slots
@@ -101,6 +102,25 @@ class BatchBuilder:
         return Shape(t, s, decode=False, num_saves=self._mixed_saves(t, s), sample_width=k + 1,
                      num_position_states=s * k if self.recurrent else 0)
 
+    def seq_bucket(self, num_seqs: int) -> int:
+        """The sequence bucket a step of `num_seqs` sequences runs in."""
+        return _fit(num_seqs, self.seq_buckets)
+
+    def _decode(self, s: int, num_saves: int, verify: bool) -> Shape:
+        if not verify:
+            return Shape(s, s, decode=True, num_saves=num_saves)
+        k = self.num_speculative_tokens
+        return Shape(s * (k + 1), s, decode=True, num_saves=num_saves, sample_width=k + 1,
+                     num_position_states=s * k if self.recurrent else 0)
+
+    def _decode_saves(self, s: int, verify: bool) -> tuple[int, ...]:
+        """The save buckets of decode (verify) shapes: a sequence's 1 (k + 1) tokens reach at
+        most 1 (ceil((k + 1) / page_size)) page boundaries."""
+        if not self.saves_checkpoints:
+            return (0,)
+        per_seq = math.ceil((self.num_speculative_tokens + 1) / self.page_size) if verify else 1
+        return save_buckets(s * per_seq)
+
     def _mixed_saves(self, num_tokens: int, num_seqs: int) -> int:
         if not self.saves_checkpoints:
             return 0
@@ -108,7 +128,8 @@ class BatchBuilder:
 
     def shapes(self) -> list[Shape]:
         """Every shape a run can hit: mixed steps for each (T, S) pair that some batch can fill
-        (at least one token per sequence), and decode steps for each S and save bucket."""
+        (at least one token per sequence), and decode (and when speculating, verify) steps for
+        each S and save bucket."""
         token_b, seq_b = self.token_buckets, self.seq_buckets
         shapes = []
         for t in token_b:
@@ -116,15 +137,17 @@ class BatchBuilder:
                 fewest_seqs = seq_b[i - 1] + 1 if i else 1
                 if fewest_seqs <= t:
                     shapes.append(self._mixed(t, s))
-        for s in seq_b:
-            for c in save_buckets(s) if self.saves_checkpoints else (0,):
-                shapes.append(Shape(s, s, decode=True, num_saves=c))
+        for verify in (False, True) if self.num_speculative_tokens else (False,):
+            for s in seq_b:
+                for c in self._decode_saves(s, verify):
+                    shapes.append(self._decode(s, c, verify))
         return shapes
 
     def shape_of(self, step: ScheduledStep) -> Shape:
         s = _fit(len(step.seqs), self.seq_buckets)
         if step.is_decode:
-            return Shape(s, s, decode=True, num_saves=_fit(len(step.saves), save_buckets(s)))
+            verify = any(step.drafts)
+            return self._decode(s, _fit(len(step.saves), self._decode_saves(s, verify)), verify)
         return self._mixed(_fit(step.total_tokens, self.token_buckets), s)
 
     def empty(self, shape: Shape) -> tuple[StepBatch, SamplingBatch]:
@@ -164,7 +187,7 @@ class BatchBuilder:
         state_pos = np.full(shape.num_position_states, -1, np.int32)
         state_slots = np.zeros(shape.num_position_states, np.int32)
 
-        offset = num_states = 0
+        offset = 0
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
             start = seq.num_computed
             drafts = step.drafts_of(i)
@@ -179,8 +202,8 @@ class BatchBuilder:
                 read[i], write[i] = seq.read_slot, seq.write_slot
             num_drafts[i] = len(drafts)
             for j, slot in enumerate(seq.position_slots[: len(drafts)] if self.recurrent else []):
-                state_seq[num_states], state_pos[num_states], state_slots[num_states] = i, start + 1 + j, slot
-                num_states += 1
+                p = i * self.num_speculative_tokens + j  # sequence i's after its pending token and j drafts
+                state_seq[p], state_pos[p], state_slots[p] = i, start + 1 + j, slot
 
             p = seq.params
             temperature[i] = p.temperature

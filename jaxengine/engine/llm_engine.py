@@ -24,7 +24,7 @@ from jaxengine.engine.runner import ModelRunner, enable_compilation_cache
 from jaxengine.engine.sampling_params import SamplingParams, is_int
 from jaxengine.engine.scheduler import ScheduledStep, Scheduler
 from jaxengine.engine.sequence import Sequence, Status
-from jaxengine.engine.speculative import SpecStats, accept, ngram_proposal
+from jaxengine.engine.speculative import SpecStats, SpeculationGate, accept, ngram_proposal
 from jaxengine.engine.step_store import StepStore
 from jaxengine.engine.tokenizer import load_tokenizer
 from jaxengine.models.config import ModelConfig
@@ -73,6 +73,9 @@ class LLMEngine:
         self.speculative = config.speculative()
         k = self.speculative.num_speculative_tokens if self.speculative else 0
         self.spec_stats = SpecStats(k) if self.speculative else None
+        # Whether this step drafts: always, or with `adaptive` (the default) while it pays.
+        self.gate = SpeculationGate() if self.speculative and self.speculative.adaptive else None
+        self.drafting = self.speculative is not None
         self.draft: Callable[[Sequence, int], list[int]] = self._ngram_draft  # (sequence, at most) -> drafts
         slots = LiveSlots(config.resolved_num_ssm_slots()) if cfg.num_recurrent_layers else None
         if slots is not None and slots.num_live < 2 + k:
@@ -267,7 +270,7 @@ class LLMEngine:
         max_tokens or max_model_len."""
         limit = min(self.speculative.num_speculative_tokens, at_most,
                     seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq.tokens))
-        if limit < 1:
+        if limit < 1 or not self.drafting:
             return []
         start = time.perf_counter()
         drafts = self.draft(seq, limit)[:limit]
@@ -279,6 +282,8 @@ class LLMEngine:
         return ngram_proposal(seq.tokens, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _step(self) -> list[Sequence]:
+        if self.gate is not None:
+            self.drafting = self.gate.open(self.builder.seq_bucket(max(1, len(self.scheduler.running))))
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             raise RuntimeError("nothing could be scheduled although requests are pending")
@@ -288,8 +293,9 @@ class LLMEngine:
         start = time.perf_counter()
         out = self.runner.sample(batch, sampling, decode=shape.decode)
         tokens = np.asarray(out.tokens)  # [S, W]: a sequence's sample rows are its last W tokens
+        seconds = time.perf_counter() - start
         if any(scheduled.drafts):
-            self.spec_stats.verify_seconds += time.perf_counter() - start
+            self.spec_stats.verify_seconds += seconds
         want_logprobs = any(s.params.logprobs is not None for s in scheduled.seqs)
         if want_logprobs:
             chosen, top_lp, top_ids = (np.asarray(a) for a in (out.logprob, out.top_logprobs, out.top_ids))
@@ -320,6 +326,11 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 finished.append(seq)
             updated.append(seq)
+        if self.gate is not None and shape.decode:
+            if shape.sample_width == 1:
+                self.gate.record_decode(shape.num_seqs, seconds)
+            elif any(scheduled.drafts):
+                self.gate.record_verify(shape.num_seqs, seconds, 1 + sum(kept) / len(scheduled.seqs))
         self.scheduler.update(scheduled, kept)
         for seq in finished:
             seq.finish_time = now
@@ -443,6 +454,9 @@ def _size(shape: Shape) -> tuple[int, int, bool, int]:
 
 def _covers(big: Shape, small: Shape) -> bool:
     """Whether a step of shape `small` fits `big`: no dimension smaller, and a decode step
-    fits a mixed shape (a mixed step handles any tokens per sequence) but not the reverse."""
+    fits a mixed shape (a mixed step handles any tokens per sequence) but not the reverse (a
+    verify shape is a decode shape with more tokens per sequence: a plain decode step fits it)."""
     return (big.num_tokens >= small.num_tokens and big.num_seqs >= small.num_seqs
-            and big.num_saves >= small.num_saves and (big.decode == small.decode or not big.decode))
+            and big.num_saves >= small.num_saves and (big.decode == small.decode or not big.decode)
+            and (not big.decode or big.num_tokens // big.num_seqs >= small.num_tokens // small.num_seqs)
+            and big.sample_width >= small.sample_width and big.num_position_states >= small.num_position_states)

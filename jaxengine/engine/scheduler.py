@@ -57,9 +57,9 @@ class ScheduledStep:
 
     @property
     def is_decode(self) -> bool:
-        """Every sequence advances by exactly one token from its live state (the single-token
-        kernels apply)."""
-        return all(n == 1 for n in self.num_tokens) and not self.restores
+        """Every sequence advances from its live state by its pending token and its drafts
+        (none in a plain decode step, some in a verify step): the one-token kernels apply."""
+        return not self.restores and all(n == 1 + len(self.drafts_of(i)) for i, n in enumerate(self.num_tokens))
 
     @property
     def total_tokens(self) -> int:

@@ -28,6 +28,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    adaptive: bool = True  # jaxengine's: speculate only while it pays (`SpeculationGate`)
 
     @classmethod
     def parse(cls, raw: dict, max_num_batched_tokens: int) -> "SpeculativeConfig":
@@ -35,7 +36,7 @@ class SpeculativeConfig:
         where = "engine argument speculative_config"
         if not isinstance(raw, dict):
             raise ValueError(f"{where} must be a mapping, got {type(raw).__name__}")
-        known = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+        known = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "adaptive")
         for key in raw:
             if key not in known:
                 raise ValueError(f"{where}: unknown key {key!r}; known: {', '.join(known)}")
@@ -61,7 +62,10 @@ class SpeculativeConfig:
                 raise ValueError(f"{where}.{name} must be a positive integer, got {value!r}")
         if lookup_min > lookup_max:
             raise ValueError(f"{where}: prompt_lookup_min={lookup_min} exceeds prompt_lookup_max={lookup_max}")
-        return cls(method, k, lookup_max, lookup_min)
+        adaptive = raw.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"{where}.adaptive must be true or false, got {adaptive!r}")
+        return cls(method, k, lookup_max, lookup_min, adaptive)
 
 
 def _is_positive_int(value) -> bool:
@@ -91,6 +95,46 @@ def accept(drafts: list[int], sampled: list[int]) -> list[int]:
     while n < len(drafts) and sampled[n] == drafts[n]:
         n += 1
     return drafts[:n] + [sampled[n]]
+
+
+class SpeculationGate:
+    """Decides, step by step, whether drafting pays at the current batch size.
+
+    It keeps, per sequence bucket S, the mean seconds of a plain decode step and of a verify
+    step (exponential averages of the steps run), and the mean tokens a verify step emits per
+    sequence. A verify step pays when it emits more tokens per second than a decode step:
+    emitted / t_verify >= 1 / t_decode. Until both times are known it measures them (a plain
+    step first, then verify steps); while speculation does not pay, every `probe_every`-th
+    step still verifies, so a change in acceptance or in the batch turns it back on."""
+
+    def __init__(self, probe_every: int = 16, smoothing: float = 0.2):
+        self.probe_every = probe_every
+        self.smoothing = smoothing
+        self.decode_seconds: dict[int, float] = {}
+        self.verify_seconds: dict[int, float] = {}
+        self.emitted_per_seq: float | None = None  # tokens a verify step emits per sequence (bonus included)
+        self.steps_off = 0
+
+    def open(self, num_seqs: int) -> bool:
+        """Whether the next step of `num_seqs` (bucketed) sequences should draft."""
+        decode, verify = self.decode_seconds.get(num_seqs), self.verify_seconds.get(num_seqs)
+        if decode is None:
+            return False
+        if verify is None or self.emitted_per_seq * decode >= verify:
+            self.steps_off = 0
+            return True
+        self.steps_off += 1
+        return self.steps_off % self.probe_every == 0
+
+    def record_decode(self, num_seqs: int, seconds: float) -> None:
+        self.decode_seconds[num_seqs] = self._mean(self.decode_seconds.get(num_seqs), seconds)
+
+    def record_verify(self, num_seqs: int, seconds: float, emitted_per_seq: float) -> None:
+        self.verify_seconds[num_seqs] = self._mean(self.verify_seconds.get(num_seqs), seconds)
+        self.emitted_per_seq = self._mean(self.emitted_per_seq, emitted_per_seq)
+
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
 
 
 @dataclasses.dataclass

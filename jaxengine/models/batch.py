@@ -35,7 +35,8 @@ class StepBatch:
     save_pos: jax.Array  # [C] int32 (-1 for padding)
     save_blocks: jax.Array  # [C, blocks_per_checkpoint] int32 (the null block 0 for padding)
     # Speculation: the state of sequence `state_seq[p]` after absolute position
-    # `state_pos[p]` (its pending token or a draft) goes to live slot `state_slots[p]`.
+    # `state_pos[p]` (its pending token or a draft) goes to live slot `state_slots[p]`;
+    # entry s * k + j (k = P / S) is sequence s's after its pending token and j drafts.
     state_seq: jax.Array  # [P] int32
     state_pos: jax.Array  # [P] int32 (-1 for padding)
     state_slots: jax.Array  # [P] int32 (the null slot 0 for padding)

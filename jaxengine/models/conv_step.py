@@ -1,5 +1,6 @@
-"""The depthwise causal conv1d of a recurrent mixer's step, with its conv state and the conv
-states its checkpoints save (Mamba2 and Gated DeltaNet both run one before their scan)."""
+"""The depthwise causal conv1d of a recurrent mixer's mixed step, with its conv state and the
+conv states its checkpoints save (Mamba2 and Gated DeltaNet both run one before their scan;
+their decode steps use the one-token update instead, `token_steps.py`)."""
 
 import jax
 
@@ -16,14 +17,10 @@ def conv_step(
     conv_in: jax.Array,  # [S, C, K]: each sequence's last K raw columns before this step
     batch: StepBatch,
     layout: TokenLayout,
-    decode: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns the conv output [T, C] (no activation), each sequence's conv state after this
     step [S, C, K], and the conv states at the step's state requests [C_saves (+ P), C, K]
     (`batch.state_requests`)."""
-    if decode:
-        out, conv_out = ops.causal_conv1d_update(x, weight, bias, conv_in)
-        return out, conv_out, conv_out[batch.save_seq]
     out, conv_out = ops.ragged_causal_conv1d(x, weight, bias, conv_in, batch.cu_q_lens)
     seq, pos = state_requests(batch)
     consumed = pos - layout.start_pos[seq]  # tokens of this step before each requested state

@@ -10,6 +10,7 @@ from jaxengine.models.conv_step import conv_step
 from jaxengine.models.kernels import KernelOps
 from jaxengine.models.layers import HeadNormThenGate, linear
 from jaxengine.models.mixer_state import StateArray
+from jaxengine.models.token_steps import run_tokens
 from pallas_kernels.gated_delta import gated_delta_states_at
 
 L2_EPS = 1e-6  # q and k are normalised as x / sqrt(sum(x^2) + eps)
@@ -34,7 +35,8 @@ class GatedDeltaMixer(nnx.Module):
     value head; the gated delta rule from each sequence's state before the step; per-head
     RMS norm then silu(z) gate; out_proj.
 
-    `decode=True` is the one-token-per-sequence step (token s belongs to sequence s)."""
+    `decode=True` is a decode or verify step (`token_steps.py`): each sequence advances by
+    its few tokens with the one-token conv and delta-rule updates instead of the chunked scan."""
 
     def __init__(self, hidden_size: int, cfg: GatedDeltaConfig, eps: float, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -64,32 +66,46 @@ class GatedDeltaMixer(nnx.Module):
         qkv, z, b, a = jnp.split(
             self.in_proj(x), [cfg.conv_dim, cfg.conv_dim + cfg.value_dim, cfg.conv_dim + cfg.value_dim + heads], axis=-1
         )
-        conv_in, state_in = initial
-        qkv, conv_out, save_conv = conv_step(ops, qkv, self.conv_weight[...], None, conv_in, batch, layout, decode)
-        qkv = jax.nn.silu(qkv)
-        q, k, v = jnp.split(qkv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
-        q = _l2_normalise(q.reshape(num_tokens, cfg.num_key_heads, dk))
-        k = _l2_normalise(k.reshape(num_tokens, cfg.num_key_heads, dk))
-        v = v.reshape(num_tokens, heads, dv)
-
         beta = jax.nn.sigmoid(b.astype(jnp.float32))  # [T, Hv]
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         )
         scale = dk**-0.5
+        weight = self.conv_weight[...]
         if decode:
-            o, state_out = ops.gated_delta_update(state_in, q, k, v, g, beta, scale=scale)
-            save_state = state_out[batch.save_seq]
+
+            def update(states, row):  # one token of each sequence
+                conv, recurrent = states
+                qkv_t, g_t, beta_t = row
+                conv_t, conv = ops.causal_conv1d_update(qkv_t, weight, None, conv)
+                q_t, k_t, v_t = self._split(jax.nn.silu(conv_t))
+                o_t, recurrent = ops.gated_delta_update(recurrent, q_t, k_t, v_t, g_t, beta_t, scale=scale)
+                return (o_t,), (conv, recurrent)
+
+            (o,), final, saved = run_tokens(update, initial, (qkv, g, beta), batch, layout)
         else:
+            conv_in, state_in = initial
+            qkv, conv_out, save_conv = conv_step(ops, qkv, weight, None, conv_in, batch, layout)
+            q, k, v = self._split(jax.nn.silu(qkv))
             scan = ops.ragged_gated_delta(
                 q, k, v, g, beta, state_in, batch.cu_q_lens, layout.start_pos, chunk_size=cfg.chunk_size, scale=scale
             )
-            o, state_out = scan.o, scan.final_states
+            o, final = scan.o, (conv_out, scan.final_states)
             save_state = states_at_requests(
                 lambda seq, pos, window: gated_delta_states_at(
                     k, v, g, beta, state_in, batch.cu_q_lens, layout.start_pos, scan, seq, pos, window=window
                 ),
                 batch, ops.scan_row(cfg.chunk_size),
             )
+            saved = (save_conv, save_state)
         o = self.norm(o.astype(x.dtype), z.reshape(num_tokens, heads, dv))
-        return self.out_proj(o.reshape(num_tokens, -1)), (conv_out, state_out), (save_conv, save_state)
+        return self.out_proj(o.reshape(num_tokens, -1)), final, saved
+
+    def _split(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Activated q | k | v [N, conv_dim] -> L2-normalised q, k [N, Hk, dk] float32, v [N, Hv, dv]."""
+        cfg = self.cfg
+        n = qkv.shape[0]
+        q, k, v = jnp.split(qkv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+        q = _l2_normalise(q.reshape(n, cfg.num_key_heads, cfg.key_head_dim))
+        k = _l2_normalise(k.reshape(n, cfg.num_key_heads, cfg.key_head_dim))
+        return q, k, v.reshape(n, cfg.num_value_heads, cfg.value_head_dim)

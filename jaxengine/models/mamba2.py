@@ -10,6 +10,7 @@ from jaxengine.models.conv_step import conv_step
 from jaxengine.models.kernels import KernelOps
 from jaxengine.models.layers import GatedRMSNorm, linear
 from jaxengine.models.mixer_state import StateArray
+from jaxengine.models.token_steps import run_tokens
 from pallas_kernels.ssd import ssd_states_at
 
 
@@ -25,8 +26,8 @@ class Mamba2Mixer(nnx.Module):
     """in_proj -> (z | xBC | dt); causal conv + SiLU on xBC; SSD scan from each sequence's
     state before the step; D skip; gated norm; out_proj.
 
-    `decode=True` is the one-token-per-sequence step (token s belongs to sequence s), which
-    uses the single-token conv and state updates instead of the chunked scan."""
+    `decode=True` is a decode or verify step (`token_steps.py`): each sequence advances by
+    its few tokens with the one-token conv and state updates instead of the chunked scan."""
 
     def __init__(self, hidden_size: int, cfg: MambaConfig, eps: float, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -55,36 +56,49 @@ class Mamba2Mixer(nnx.Module):
         then draft positions): conv [C, conv_dim, K] and SSM [C, H, P, N] float32."""
         cfg = self.cfg
         num_tokens = x.shape[0]
-        inner, gn = cfg.intermediate_size, cfg.n_groups * cfg.state_size
+        inner = cfg.intermediate_size
         z, xbc, dt = jnp.split(self.in_proj(x), [inner, inner + cfg.conv_dim], axis=-1)
-
-        bias = self.conv_bias[...] if cfg.conv_bias else None
-        conv_in, state_in = initial
-        xbc, conv_out, save_conv = conv_step(ops, xbc, self.conv_weight[...], bias, conv_in, batch, layout, decode)
-        xbc = jax.nn.silu(xbc)
-        xs, B, C = jnp.split(xbc, [inner, inner + gn], axis=-1)
-        xs = xs.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-        B = B.reshape(num_tokens, cfg.n_groups, cfg.state_size)
-        C = C.reshape(num_tokens, cfg.n_groups, cfg.state_size)
-
+        weight, bias = self.conv_weight[...], self.conv_bias[...] if cfg.conv_bias else None
         dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         dt = jnp.clip(dt, *cfg.time_step_limit)
         A = -jnp.exp(self.A_log[...].astype(jnp.float32))
         if decode:
-            y, state_out = ops.ssd_state_update(state_in, xs, dt, A, B, C)
-            save_ssm = state_out[batch.save_seq]
+
+            def update(states, row):  # one token of each sequence
+                conv, ssm = states
+                xbc_t, dt_t = row
+                conv_t, conv = ops.causal_conv1d_update(xbc_t, weight, bias, conv)
+                xs_t, B_t, C_t = self._split(jax.nn.silu(conv_t))
+                y_t, ssm = ops.ssd_state_update(ssm, xs_t, dt_t, A, B_t, C_t)
+                return (y_t, xs_t), (conv, ssm)
+
+            (y, xs), final, saved = run_tokens(update, initial, (xbc, dt), batch, layout)
         else:
+            conv_in, state_in = initial
+            xbc, conv_out, save_conv = conv_step(ops, xbc, weight, bias, conv_in, batch, layout)
+            xs, B, C = self._split(jax.nn.silu(xbc))
             scan = ops.ragged_ssd_scan(
                 xs, dt, A, B, C, state_in, batch.cu_q_lens, layout.start_pos, chunk_size=cfg.chunk_size
             )
-            y, state_out = scan.y, scan.final_states
+            y, final = scan.y, (conv_out, scan.final_states)
             save_ssm = states_at_requests(
                 lambda seq, pos, window: ssd_states_at(
                     xs, dt, A, B, state_in, batch.cu_q_lens, layout.start_pos, scan, seq, pos, window=window
                 ),
                 batch, ops.scan_row(cfg.chunk_size),
             )
+            saved = (save_conv, save_ssm)
 
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs.astype(jnp.float32)
         y = self.norm(y.reshape(num_tokens, inner), z).astype(x.dtype)  # norm in float32, like the reference
-        return self.out_proj(y), (conv_out, state_out), (save_conv, save_ssm.astype(jnp.float32))
+        return self.out_proj(y), final, (saved[0], saved[1].astype(jnp.float32))
+
+    def _split(self, xbc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Activated xBC [N, conv_dim] -> x [N, H, P], B [N, G, N_state], C [N, G, N_state]."""
+        cfg = self.cfg
+        inner, gn = cfg.intermediate_size, cfg.n_groups * cfg.state_size
+        xs, B, C = jnp.split(xbc, [inner, inner + gn], axis=-1)
+        n = xbc.shape[0]
+        return (xs.reshape(n, cfg.num_heads, cfg.head_dim), B.reshape(n, cfg.n_groups, cfg.state_size),
+                C.reshape(n, cfg.n_groups, cfg.state_size))
+

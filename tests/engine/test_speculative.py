@@ -9,14 +9,15 @@ import pytest
 import yaml
 
 from jaxengine import LLM, SamplingParams
-from jaxengine.engine.speculative import SpeculativeConfig, accept, ngram_proposal
+from jaxengine.engine.speculative import SpeculationGate, SpeculativeConfig, accept, ngram_proposal
 from jaxengine.run_config import ConfigError, load_run_config
 from tests.models.tiny_models import VOCAB_SIZE, random_prompt, save_tiny_model
 
 ARGS = dict(max_model_len=384, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False,
             compilation_cache_dir=None)
 K = 3
-NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Always drafting (not `adaptive`), so every test verifies drafts whatever the step times.
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1, "adaptive": False}
 # Attention only, Mamba2 with attention, Gated DeltaNet with gated attention.
 ARCHS = ("llama", "bamba", "qwen3_5")
 
@@ -88,6 +89,8 @@ def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_p
     assert _run(llm, stop_id) == want  # ngram drafts
     stats = llm.stats()
     assert stats["spec_draft_tokens"] > 0 and stats["tokens_hit"] > 0
+    # Some drafts were verified in a verify step (no prefill: T = S * (k + 1), one-token updates).
+    assert any(decode and t == s * (K + 1) for t, s, _, decode in llm.engine.runner.steps.ready)
 
     llm.engine.draft = _oracle(continuation, wrong=False)
     before = llm.stats()
@@ -213,3 +216,26 @@ def test_speculative_config_in_a_yaml_engine_section(tmp_path):
     assert load_run_config(config(NGRAM)).engine.speculative().num_speculative_tokens == K
     with pytest.raises(ConfigError, match="speculative_config.num_speculative_tokens"):
         load_run_config(config({"method": "ngram", "num_speculative_tokens": 0}))
+
+
+def test_the_gate_drafts_only_while_verify_steps_emit_more_tokens_per_second_than_decode_steps():
+    gate = SpeculationGate(probe_every=4, smoothing=0.5)
+    assert not gate.open(16)  # a plain decode step first, to time it
+    gate.record_decode(16, 0.010)  # 100 tokens/s per sequence
+    assert gate.open(16)  # then a verify step
+    gate.record_verify(16, 0.030, emitted_per_seq=1.5)  # 50 tokens/s per sequence: does not pay
+    assert [gate.open(16) for _ in range(8)] == [False, False, False, True] * 2  # but probes
+    assert not gate.open(4)  # another batch size is timed on its own
+    for _ in range(6):
+        gate.record_verify(16, 0.030, emitted_per_seq=4.0)  # acceptance rose: 133 tokens/s
+    assert all(gate.open(16) for _ in range(8))
+    gate.record_decode(16, 0.005)  # decode got cheaper (e.g. shorter contexts): 200 tokens/s
+    gate.record_decode(16, 0.005)
+    gate.record_decode(16, 0.005)
+    assert not gate.open(16)
+
+
+def test_adaptive_is_on_by_default_and_must_be_a_bool():
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}, 64).adaptive
+    with pytest.raises(ValueError, match="speculative_config.adaptive"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}, 64)
