@@ -35,8 +35,8 @@ from jaxengine import LLM, SamplingParams
 from jaxengine.run_config import DEFAULT_MODEL
 
 PROMPTS = Path(__file__).resolve().parents[1] / "configs" / "prompts" / "python_starts.jsonl"
-# vLLM's documented ngram example, and a shorter lookahead, as a user sets them (speculation
-# `adaptive`: on only while it pays); and the first drafting at every step (the verify step's own cost).
+# vLLM's documented ngram example and a shorter lookahead, as a user sets them (speculation
+# `adaptive`: on only while it pays); and the example drafting at every step (verify steps' own cost).
 METHODS = {
     "ngram-k5": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4},
     "ngram-k3": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2},

@@ -101,4 +101,3 @@ class Mamba2Mixer(nnx.Module):
         n = xbc.shape[0]
         return (xs.reshape(n, cfg.num_heads, cfg.head_dim), B.reshape(n, cfg.n_groups, cfg.state_size),
                 C.reshape(n, cfg.n_groups, cfg.state_size))
-

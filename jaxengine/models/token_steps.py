@@ -42,9 +42,11 @@ def run_tokens(
     states, outs, after = tuple(initial), [], []
     for j, row in enumerate(rows):
         out, new = update(states, row)
-        live = j < q_lens  # [S]: the sequence has a token at row j
-        states = tuple(jnp.where(live.reshape((-1,) + (1,) * (n.ndim - 1)), n.astype(s.dtype), s)
-                       for n, s in zip(new, states))
+        if j:  # every sequence has row 0 (padding ones write to the null slot): only later rows may be past its end
+            live = j < q_lens  # [S]: the sequence has a token at row j
+            new = tuple(jnp.where(live.reshape((-1,) + (1,) * (n.ndim - 1)), n.astype(s.dtype), s)
+                        for n, s in zip(new, states))
+        states = tuple(n.astype(s.dtype) for n, s in zip(new, states))
         outs.append(out)
         after.append(states)
 
