@@ -1,4 +1,4 @@
-"""jaxengine: a pure-JAX inference engine for hybrid attention + Mamba2 language models."""
+"""jaxengine: a pure-JAX inference engine for hybrid language models, with vLLM's offline API."""
 
 from jaxengine.host_memory import tune_malloc_for_cpu
 
@@ -10,7 +10,9 @@ import_transformers_quietly()  # the engine reads configs and tokenizers with it
 
 from jaxengine.engine.engine_config import EngineConfig  # noqa: E402
 from jaxengine.engine.llm import LLM  # noqa: E402
-from jaxengine.engine.outputs import RequestOutput, StreamOutput  # noqa: E402
-from jaxengine.engine.sampling_params import SamplingParams  # noqa: E402
+from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput  # noqa: E402
+from jaxengine.engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from jaxengine.inputs import TextPrompt, TokensPrompt  # noqa: E402
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "StreamOutput"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput", "RequestOutputKind",
+           "SamplingParams", "StreamOutput", "TextPrompt", "TokensPrompt"]

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxengine.engine.llm import LLM
-from jaxengine.engine.outputs import RequestOutput
+from jaxengine.engine.outputs import CompletionOutput, RequestOutput
 from jaxengine.run_config import ConfigError, RunConfig, load_requests
 
 
@@ -90,34 +90,40 @@ def run_batch(cfg: RunConfig) -> dict:
     outputs = llm.generate(prompts, [r.params for r in requests], use_tqdm=cfg.progress)
     wall = time.perf_counter() - start
 
-    records = "".join(json.dumps(_output_record(r.id, out)) + "\n" for r, out in zip(requests, outputs))
+    records = "".join(json.dumps(_output_record(r.id, out, c)) + "\n" for r, out in zip(requests, outputs)
+                      for c in out.outputs)
     metrics = _metrics(cfg, llm, outputs, wall, load_and_compile)
     write_together({cfg.output: records, cfg.metrics: json.dumps(metrics, indent=2) + "\n"})
     return metrics
 
 
-def _output_record(request_id: str, out: RequestOutput) -> dict:
+def _output_record(request_id: str, out: RequestOutput, sample: CompletionOutput) -> dict:
+    """One line of the outputs file: one sample of one request (`sample` counts them when n > 1)."""
     record = {
         "id": request_id,
-        "text": out.text,
-        "token_ids": out.token_ids,
-        "finish_reason": out.finish_reason,
+        "sample": sample.index,
+        "text": sample.text,
+        "token_ids": sample.token_ids,
+        "finish_reason": sample.finish_reason,
+        "stop_reason": sample.stop_reason,
         "num_prompt_tokens": len(out.prompt_token_ids),
         "num_cached_tokens": out.num_cached_tokens,
-        "time_to_first_token_s": out.time_to_first_token,
-        "time_per_output_token_s": out.time_per_output_token,
+        "time_to_first_token_s": sample.time_to_first_token,
+        "time_per_output_token_s": sample.time_per_output_token,
     }
-    if out.logprobs is not None:
-        record["logprobs"] = [{str(k): v for k, v in step.items()} for step in out.logprobs]
+    if sample.logprobs is not None:
+        record["logprobs"] = [{str(k): v.logprob for k, v in step.items()} for step in sample.logprobs]
+        record["cumulative_logprob"] = sample.cumulative_logprob
     return record
 
 
 def _metrics(cfg: RunConfig, llm: LLM, outputs: list[RequestOutput], wall: float, load_and_compile: float) -> dict:
     engine = llm.engine
+    samples = [c for o in outputs for c in o.outputs]
     input_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    output_tokens = sum(len(o.token_ids) for o in outputs)
-    ttfts = [o.time_to_first_token for o in outputs if o.time_to_first_token is not None]
-    tpots = [o.time_per_output_token for o in outputs if o.time_per_output_token is not None]
+    output_tokens = sum(len(c.token_ids) for c in samples)
+    ttfts = [c.time_to_first_token for c in samples if c.time_to_first_token is not None]
+    tpots = [c.time_per_output_token for c in samples if c.time_per_output_token is not None]
     return {
         "model": str(cfg.model),
         "device": str(jax.devices()[0].device_kind),
@@ -134,5 +140,5 @@ def _metrics(cfg: RunConfig, llm: LLM, outputs: list[RequestOutput], wall: float
         "compile_s": engine.compile_seconds,
         "num_compiled_shapes": len(engine.shapes()),
         "cache": engine.stats(),
-        "finish_reasons": {r: sum(o.finish_reason == r for o in outputs) for r in ("stop", "length")},
+        "finish_reasons": {r: sum(c.finish_reason == r for c in samples) for r in ("stop", "length")},
     }

@@ -30,9 +30,10 @@ def _generate(args: argparse.Namespace) -> None:
 
     llm = LLM(model=args.model, dtype=args.dtype, warm_up=False)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    for prompt, out in zip(args.prompts, llm.generate(args.prompts, params, use_tqdm=False)):
-        print(f"--- {prompt!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
-        print(prompt + out.text)
+    for out in llm.generate(args.prompts, params, use_tqdm=False):
+        completion = out.outputs[0]
+        print(f"--- {out.prompt!r} ({len(completion.token_ids)} tokens, {completion.finish_reason})")
+        print(out.prompt + completion.text)
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     gen = sub.add_parser("generate", help="generate completions for prompts")
     gen.add_argument("prompts", nargs="+", help="text prompts")
     gen.add_argument("--model", default=str(DEFAULT_MODEL), help="model directory (default: the embedded model)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     conv = sub.add_parser("convert", help="store a Hugging Face checkpoint's parameters with Orbax")
     conv.add_argument("hf_dir")
     conv.add_argument("out_dir")
-    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     conv.set_defaults(func=_convert)
 
     args = parser.parse_args(argv)

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from jaxengine.engine import vllm_args
 from jaxengine.engine.engine_config import EngineConfig, check_engine_keys
 from jaxengine.engine.sampling_params import SamplingParams
 
@@ -121,11 +122,14 @@ def load_run_config(path: str | Path) -> RunConfig:
     input_path = Path(raw["input"])
     if not input_path.is_file():
         raise ConfigError(f"{path}: input: file {input_path} does not exist")
+    engine_raw = raw.get("engine")
     try:
-        check_engine_keys(raw.get("engine") or {}, "key")
+        if isinstance(engine_raw, dict):  # vLLM's names too
+            engine_raw = vllm_args.translate(engine_raw)
+        check_engine_keys(engine_raw or {}, "key")
     except ValueError as err:
         raise ConfigError(f"{path}: engine: {err}") from err
-    engine = _typed(EngineConfig, raw.get("engine"), f"{path}: engine")
+    engine = _typed(EngineConfig, engine_raw, f"{path}: engine")
     try:
         engine.validate()
     except ValueError as err:

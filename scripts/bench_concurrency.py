@@ -43,7 +43,7 @@ def main() -> None:
     results = {}
     salt = "one-by-one"
     start = time.perf_counter()
-    one_by_one = [llm.generate(fresh([p]), params, use_tqdm=False)[0].token_ids for p in prompts]
+    one_by_one = [llm.generate(fresh([p]), params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     results["one thread, one call per request"] = time.perf_counter() - start
 
     salt = "threads"
@@ -51,7 +51,7 @@ def main() -> None:
 
     def caller(t: int) -> None:
         for i in range(t, len(prompts), args.threads):
-            threaded[i] = llm.generate(fresh([prompts[i]]), params, use_tqdm=False)[0].token_ids
+            threaded[i] = llm.generate(fresh([prompts[i]]), params, use_tqdm=False)[0].outputs[0].token_ids
 
     start = time.perf_counter()
     workers = [threading.Thread(target=caller, args=(t,)) for t in range(args.threads)]
@@ -63,7 +63,7 @@ def main() -> None:
 
     salt = "batched"
     start = time.perf_counter()
-    batched = [o.token_ids for o in llm.generate(fresh(prompts), params, use_tqdm=False)]
+    batched = [o.outputs[0].token_ids for o in llm.generate(fresh(prompts), params, use_tqdm=False)]
     results["one call with every prompt"] = time.perf_counter() - start
 
     assert one_by_one == threaded == batched, "the three ways gave different tokens"

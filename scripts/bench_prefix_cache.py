@@ -65,7 +65,7 @@ def _system_prompt(model: Path, caching: bool, questions: int) -> dict:
     return {
         "ttft_mean_s": float(np.mean(ttft)),
         "ttft_p50_s": float(np.median(ttft)),
-        "output_tokens_per_s": sum(len(o.token_ids) for o in outs) / wall,
+        "output_tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
         "wall_s": wall,
         "hit_rate": stats["hit_rate"],
         "cached_tokens_per_request": [o.num_cached_tokens for o in outs[:4]],
@@ -84,7 +84,7 @@ def _conversations(model: Path, retention: int | None, cache_bytes: int) -> dict
     for turn in range(6):
         for c in range(8):  # interleaved: one turn of each conversation in turn
             out = llm.generate([convs[c]], GREEDY, use_tqdm=False)[0]
-            convs[c] = convs[c] + out.token_ids + _tokens(40, 10_000 + 8 * turn + c, vocab)
+            convs[c] = convs[c] + out.outputs[0].token_ids + _tokens(40, 10_000 + 8 * turn + c, vocab)
     stats = llm.stats()
     keys = ("hit_rate", "tokens_lost_for_want_of_checkpoint", "kv_page_bytes_held", "checkpoint_bytes_held",
             "checkpoints_held", "kv_page_evictions", "checkpoint_evictions", "checkpoints_written",

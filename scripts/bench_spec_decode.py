@@ -71,7 +71,7 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    assert all(len(o.token_ids) == params.max_tokens for o in outs)
+    assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outs)
     return len(prompts) * params.max_tokens / wall
 
 

@@ -293,7 +293,7 @@ def bench_batch(
     prompt_sets = [random_prompts(batch, prompt_len, vocab, seed=SEED + 1000 * batch + i) for i in range(repeats + 1)]
     _, jax_outs = jaxengine_run(llm, prompt_sets[0], max_tokens)
     _, hf_tokens = hf_run(model, torch.tensor(prompt_sets[0]), max_tokens)
-    agree = sum(o.token_ids == t for o, t in zip(jax_outs, hf_tokens.tolist()))
+    agree = sum(o.outputs[0].token_ids == t for o, t in zip(jax_outs, hf_tokens.tolist()))
 
     jax_walls, jax_ttfts, jax_steps, hf_walls, hf_ttfts = [], [], [], [], []
     compiled = llm.engine.runner.num_compiled_steps()  # the timed runs must not compile

@@ -708,8 +708,8 @@ def run_engine(model_dir: Path, kernels: str, spec: EngineSpec) -> EngineRun:
         output_tokens_per_s=spec.decode_batch * spec.decode_tokens / med(walls),
         prefill_tokens_per_s=spec.prefill_prompts * spec.prefill_len / med(prefill_walls),
         recompiles=recompiles,
-        decode_outputs=[o.token_ids for o in first_decode],
-        prefill_outputs=[o.token_ids[0] for o in first_prefill],
+        decode_outputs=[o.outputs[0].token_ids for o in first_decode],
+        prefill_outputs=[o.outputs[0].token_ids[0] for o in first_prefill],
     )
 
 

@@ -65,8 +65,10 @@ def sampler_case(max_len: int, context: int, penalties: bool):
         seeds=np.zeros(SEQS, np.uint32), steps=np.zeros(SEQS, np.int32), history=history,
         history_lens=np.full(SEQS, context, np.int32), prompt_lens=np.full(SEQS, context // 2, np.int32),
         banned=np.full((SEQS, MAX_STOP_TOKEN_IDS), -1, np.int32), min_tokens=np.zeros(SEQS, np.int32),
-        wants_logprobs=np.zeros(SEQS, bool), sample_rows=np.arange(SEQS, dtype=np.int32)[:, None],
-        num_drafts=np.zeros(SEQS, np.int32),
+        wants_logprobs=np.zeros(SEQS, bool), bias_ids=np.full((SEQS, 1), -1, np.int32),
+        bias_values=np.zeros((SEQS, 1), np.float32), allowed_ids=np.full((SEQS, 1), -1, np.int32),
+        bad_ids=np.full((SEQS, 1), -1, np.int32), sample_rows=np.arange(SEQS, dtype=np.int32)[:, None],
+        num_drafts=np.zeros(SEQS, np.int32), next_ids=np.full(SEQS, -1, np.int32),
     )
     logits = jnp.asarray(rng.standard_normal((SEQS, VOCAB)), jnp.float32)
     return jax.jit(functools.partial(sample_tokens, num_logprobs=20)), (logits, sb)

@@ -33,18 +33,17 @@ def _write(tmp_path: Path, config: dict, lines: list[dict] | None = None) -> Pat
 LINES = [
     {"id": "a", "prompt": "def add(a, b):\n"},
     {"id": "b", "prompt": "import os\n", "max_tokens": 6, "stop": ["\n\n"]},
-    {"prompt_token_ids": [5, 6, 7], "temperature": 0.8, "seed": 3, "cache_salt": "x"},
+    {"prompt_token_ids": [5, 6, 7], "temperature": 0.8, "seed": 3, "cache_salt": "x", "n": 2},
 ]
 
 
-@pytest.mark.slow
 def test_run_writes_outputs_and_metrics(tmp_path, capsys):
     main(["run", str(_write(tmp_path, {}, LINES))])
     records = [json.loads(line) for line in (tmp_path / "out" / "outputs.jsonl").read_text().splitlines()]
-    assert [r["id"] for r in records] == ["a", "b", "3"]
+    assert [(r["id"], r["sample"]) for r in records] == [("a", 0), ("b", 0), ("3", 0), ("3", 1)]
     assert len(records[0]["token_ids"]) == 4 and records[0]["finish_reason"] == "length"
     assert 1 <= len(records[1]["token_ids"]) <= 6 and "\n\n" not in records[1]["text"]
-    assert records[2]["num_prompt_tokens"] == 3
+    assert records[2]["num_prompt_tokens"] == records[3]["num_prompt_tokens"] == 3
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["requests"] == 3
     assert metrics["output_tokens"] == sum(len(r["token_ids"]) for r in records)
@@ -52,12 +51,19 @@ def test_run_writes_outputs_and_metrics(tmp_path, capsys):
         assert key in metrics
     assert metrics["cache"]["prefix_cache_retention_interval"] is None  # resolved: dense for the hybrid
     assert "3 requests" in capsys.readouterr().out
+    assert records[1]["stop_reason"] in ("\n\n", None)
 
 
 @pytest.mark.parametrize("value, want", [(None, None), (0, 0), (32, 32), ("auto", "auto")])
 def test_yaml_takes_the_retention_interval(tmp_path, value, want):
     cfg = load_run_config(_write(tmp_path, {"engine": {"prefix_cache_retention_interval": value}}, LINES))
     assert cfg.engine.prefix_cache_retention_interval == want
+
+
+def test_yaml_takes_vllms_engine_argument_names(tmp_path):
+    cfg = load_run_config(_write(tmp_path, {"engine": {"block_size": 8, "enforce_eager": True, "max_model_len": 64,
+                                                       "trust_remote_code": True}}, LINES))
+    assert cfg.engine.page_size == 8 and cfg.engine.warm_up is False and cfg.engine.max_model_len == 64
 
 
 def test_the_default_config_is_valid(monkeypatch):
@@ -72,6 +78,7 @@ def test_the_default_config_is_valid(monkeypatch):
         ({"engin": {}}, r"unknown key 'engin'"),
         ({"engine": {"max_num_seqs": "8"}}, r"engine.max_num_seqs: expected .*int.*got '8'"),
         ({"engine": {"max_num_seq": 8}}, r"engine: unknown key 'max_num_seq'"),
+        ({"engine": {"tensor_parallel_size": 2}}, r"engine: engine argument tensor_parallel_size must be 1"),
         ({"engine": {"ssm_retention": "dense"}}, r"engine: key 'ssm_retention' was replaced by prefix_cache_retention_interval"),
         ({"engine": {"prefix_cache_retention_interval": 6}}, r"prefix_cache_retention_interval must be None"),
         ({"sampling": {"top_p": 1.5}}, r"SamplingParams.top_p must be a finite number in \(0, 1\]"),

@@ -45,6 +45,7 @@ def calls_that_fault_their_scratch_in(**env: str) -> int:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_settings_let_cpu_steps_reuse_their_scratch_memory():
     untuned = calls_that_fault_their_scratch_in(**{host_memory.ENV_VAR: "0"})
     tuned = calls_that_fault_their_scratch_in(**{host_memory.ENV_VAR: "1"})

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxengine.cache import checkpoint_policy
 from jaxengine.engine.sampler import SamplingBatch
-from jaxengine.engine.sampling_params import MAX_STOP_TOKEN_IDS
+from jaxengine.engine.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxengine.engine.scheduler import ScheduledStep
 from jaxengine.models.batch import StepBatch
 
@@ -65,6 +65,12 @@ class Shape:
 def save_buckets(num_seqs: int) -> tuple[int, ...]:
     """0, then powers of four below `num_seqs`, then `num_seqs`: a decode step's save room."""
     return (0, *seq_buckets(num_seqs))
+
+def bad_word_bans(output: list[int], words: list[list[int]]) -> list[int]:
+    """The tokens the next draw may not be: the last token of each bad word whose other
+    tokens end the output so far (a one-token word: always), as vLLM matches them."""
+    return sorted({w[-1] for w in words if len(w) - 1 <= len(output) and output[len(output) - len(w) + 1 :] == w[:-1]})
+
 
 class BatchBuilder:
     """Builds `StepBatch` and `SamplingBatch` arrays for scheduled steps."""
@@ -158,6 +164,7 @@ class BatchBuilder:
         shape = shape or self.shape_of(step)
         t_size, s_size = shape.num_tokens, shape.num_seqs
         ids = np.zeros(t_size, np.int32)
+        next_ids = np.full(t_size, -1, np.int32)
         cu = np.full(s_size + 1, step.total_tokens, np.int32)
         kv_lens = np.zeros(s_size, np.int32)
         page_table = np.zeros((s_size, self.pages_per_seq), np.int32)
@@ -180,6 +187,10 @@ class BatchBuilder:
         banned = np.full((s_size, MAX_STOP_TOKEN_IDS), -1, np.int32)
         min_tokens = np.zeros(s_size, np.int32)
         wants_logprobs = np.zeros(s_size, bool)
+        bias_ids = np.full((s_size, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_values = np.zeros((s_size, MAX_LOGIT_BIAS), f32)
+        allowed_ids = np.full((s_size, MAX_ALLOWED_TOKEN_IDS), -1, np.int32)
+        bad_ids = np.full((s_size, MAX_BAD_WORDS), -1, np.int32)
         width = shape.sample_width
         sample_rows = np.zeros((s_size, width), np.int32)
         num_drafts = np.zeros(s_size, np.int32)
@@ -193,6 +204,9 @@ class BatchBuilder:
             drafts = step.drafts_of(i)
             tokens = seq.tokens + drafts  # a verify step's tokens are its pending token and its drafts
             ids[offset : offset + n] = tokens[start : start + n]
+            if seq.params.prompt_logprobs is not None:  # each prompt token's log-probability, from the one before
+                asked = range(start, min(start + n, seq.num_prompt_tokens - 1))
+                next_ids[offset : offset + len(asked)] = tokens[start + 1 : start + 1 + len(asked)]
             cu[i] = offset
             sample_rows[i] = offset + np.maximum(np.arange(n - width, n), 0)
             offset += n
@@ -223,6 +237,13 @@ class BatchBuilder:
             if seq.num_output_tokens < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 banned[i, : len(stops)] = stops[:MAX_STOP_TOKEN_IDS]
+            if p.logit_bias:
+                bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)
+                bias_values[i, : len(p.logit_bias)] = np.clip(list(p.logit_bias.values()), -100, 100)
+            if p.allowed_token_ids:
+                allowed_ids[i, : len(p.allowed_token_ids)] = p.allowed_token_ids
+            bans = bad_word_bans(seq.output_token_ids, seq.bad_word_ids)
+            bad_ids[i, : len(bans)] = bans
 
         nb = self.blocks_per_checkpoint
         restore = np.zeros((s_size, nb), np.int32)
@@ -239,7 +260,10 @@ class BatchBuilder:
         batch = StepBatch(ids, cu, kv_lens, page_table, read, write, restore, save_seq, save_pos, save_blocks,
                           state_seq, state_pos, state_slots)
         sampling = SamplingBatch(
-            temperature, top_k, top_p, min_p, presence, frequency, repetition, seeds, steps, history, history_lens,
-            prompt_lens, banned, min_tokens, wants_logprobs, sample_rows, num_drafts,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence,
+            frequency_penalty=frequency, repetition_penalty=repetition, seeds=seeds, steps=steps, history=history,
+            history_lens=history_lens, prompt_lens=prompt_lens, banned=banned, min_tokens=min_tokens,
+            wants_logprobs=wants_logprobs, bias_ids=bias_ids, bias_values=bias_values, allowed_ids=allowed_ids,
+            bad_ids=bad_ids, sample_rows=sample_rows, num_drafts=num_drafts, next_ids=next_ids,
         )
         return batch, sampling

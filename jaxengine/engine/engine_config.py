@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 from jaxengine.cache import checkpoint_policy
+from jaxengine.engine import vllm_args
 from jaxengine.engine.pools import recurrent_block_elems
 from jaxengine.engine.speculative import SpeculativeConfig
 from jaxengine.models.config import ModelConfig
@@ -34,14 +35,16 @@ def check_engine_keys(keys, where: str = "engine argument") -> None:
         if key in REPLACED:
             raise ValueError(f"{where} {key!r} was replaced by {REPLACED[key]}")
         if key not in known:
-            raise ValueError(f"unknown {where} {key!r}; known: {', '.join(sorted(known))}")
+            also = ", ".join(vllm_args.known_names())
+            raise ValueError(f"unknown {where} {key!r}; known: {', '.join(sorted(known))}; and vLLM's {also}")
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """What `LLM(...)` and the YAML `engine:` section accept (names follow vLLM)."""
 
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": the checkpoint's (config.json's dtype); "float32", "bfloat16", "float16"
+    tokenizer: str | None = None  # a directory with tokenizer.json; default: the model's
     max_model_len: int | None = None  # default: the model's max_position_embeddings, at most 4096
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
@@ -51,6 +54,9 @@ class EngineConfig:
     # sequences of max_model_len, plus four checkpoints per sequence for recurrent models.
     num_cache_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None  # alternative to num_cache_blocks
+    # vLLM's: the pool takes this fraction of the accelerator's memory, less what the weights
+    # use (another alternative to num_cache_blocks; a CPU reports no memory limit: no effect).
+    gpu_memory_utilization: float | None = None
     num_ssm_slots: int | None = None  # live recurrent-state slots; default: two per sequence
     enable_prefix_caching: bool = True
     # vLLM's knob: None = dense (a checkpoint candidate at every page boundary), 0 = sparse
@@ -83,8 +89,14 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_cache_blocks",
                      "kv_cache_memory_bytes", "num_ssm_slots", "max_logprobs"):
             positive(name)
-        if self.num_cache_blocks is not None and self.kv_cache_memory_bytes is not None:
-            raise ValueError("give num_cache_blocks or kv_cache_memory_bytes, not both")
+        sizes = [n for n in ("num_cache_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization")
+                 if getattr(self, n) is not None]
+        if len(sizes) > 1:
+            raise ValueError(f"give one of num_cache_blocks, kv_cache_memory_bytes and gpu_memory_utilization, "
+                             f"not {' and '.join(sizes)}")
+        u = self.gpu_memory_utilization
+        if u is not None and (not isinstance(u, (int, float)) or isinstance(u, bool) or not 0 < u <= 1):
+            raise ValueError(f"engine argument gpu_memory_utilization must be a number in (0, 1], got {u!r}")
         if self.prefix_cache_retention_interval != AUTO:
             try:
                 checkpoint_policy.validate_interval(self.prefix_cache_retention_interval, self.page_size)
@@ -92,8 +104,11 @@ class EngineConfig:
                 raise ValueError(f"engine argument {err}") from None
         if self.kernels not in KERNELS:
             raise ValueError(f"engine argument kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"engine argument dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"engine argument dtype must be one of auto, float32, bfloat16, float16 (or vLLM's "
+                             f"float, half), got {self.dtype!r}")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise ValueError(f"engine argument tokenizer must be a directory path, got {self.tokenizer!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
@@ -113,6 +128,8 @@ class EngineConfig:
 
     @property
     def dtype_bytes(self) -> int:
+        if self.dtype == "auto":
+            raise RuntimeError("dtype 'auto' is resolved against the model before sizes are computed")
         return 4 if self.dtype == "float32" else 2
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:

@@ -1,14 +1,19 @@
-"""The public entry point: `LLM(model=...)` with `generate`, `generate_stream` and `prompt_logits`."""
+"""The public entry point: `LLM(model=...)` with `generate`, `chat`, `generate_stream` and
+`prompt_logits` (vLLM's offline API, plus jaxengine's streaming and logits)."""
 
 import collections
+import json
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxengine.engine import vllm_args
 from jaxengine.engine.engine_config import EngineConfig, check_engine_keys
 from jaxengine.engine.interrupts import deferred_interrupts
 from jaxengine.engine.llm_engine import LLMEngine
@@ -17,18 +22,25 @@ from jaxengine.engine.sampling_params import SamplingParams
 from jaxengine.engine.sequence import Sequence as EngineSequence
 from jaxengine.engine.sequence import Status
 
-# A prompt is text, token ids, or a dict {"prompt": text} / {"prompt_token_ids": ids} that
-# may also carry a "cache_salt": requests with different salts never share cached prefixes.
+# A prompt is text, token ids, or a dict {"prompt": text} / {"prompt_token_ids": ids}
+# (`jaxengine.inputs`) that may also carry a "cache_salt": requests with different salts
+# never share cached prefixes.
 Prompt = str | Sequence[int] | dict
+
+# generation_config.json keys vLLM takes its default sampling parameters from.
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 class LLM:
     """Loads a model directory and serves prompts with continuous batching.
 
     Keyword arguments are the fields of `EngineConfig` (vLLM's names): `max_model_len`,
-    `max_num_seqs`, `max_num_batched_tokens`, `page_size`, `num_cache_blocks` or
-    `kv_cache_memory_bytes`, `prefix_cache_retention_interval`, `compilation_cache_dir`,
-    `warm_up`, `background_compile`, ...
+    `max_num_seqs`, `max_num_batched_tokens`, `page_size`, `num_cache_blocks`,
+    `kv_cache_memory_bytes` or `gpu_memory_utilization`, `tokenizer`, `seed`,
+    `prefix_cache_retention_interval`, `compilation_cache_dir`, `warm_up`,
+    `background_compile`, `speculative_config`, ...; and vLLM's `block_size`,
+    `enforce_eager` and the others in `vllm_args.py`.
 
     What a caller can rely on:
       * every `generate` / `generate_stream` call owns its requests; several threads may call
@@ -39,9 +51,10 @@ class LLM:
       * a stream that is closed, or dropped without being read to the end, aborts the
         requests it has not finished; `abort(request_id)` stops one request."""
 
-    def __init__(self, model: str | Path, dtype: str = "float32", **engine_args):
+    def __init__(self, model: str | Path, dtype: str = "auto", **engine_args):
+        engine_args = vllm_args.translate({"dtype": dtype, **engine_args})
         check_engine_keys(sorted(engine_args))
-        self.engine = LLMEngine(model, EngineConfig(dtype=dtype, **engine_args))
+        self.engine = LLMEngine(model, EngineConfig(**engine_args))
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self._lock = threading.RLock()
@@ -57,12 +70,26 @@ class LLM:
         with self._lock, tqdm(total=len(shapes), desc="compiling step shapes", leave=False, disable=not progress) as bar:
             self.engine.warm_up(bar.update)
 
-    def _submit(self, prompts: Sequence[Prompt], sampling_params) -> list[EngineSequence]:
-        """Validates every request first, so a bad one rejects the call before any work."""
+    def get_tokenizer(self):
+        """The model's Hugging Face tokenizer (None for a model directory without one)."""
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no sampling params: the model's
+        generation_config.json settings that vLLM reads (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens), else vLLM's defaults."""
+        path = self.engine.model_dir / "generation_config.json"
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+        return SamplingParams(**{ours: raw[theirs] for theirs, ours in GENERATION_DEFAULTS.items()
+                                 if raw.get(theirs) is not None})
+
+    def _submit(self, prompts, sampling_params, texts: list[str] | None = None) -> list[list[EngineSequence]]:
+        """Validates every request first, so a bad one rejects the call before any work.
+        Returns each prompt's samples; `texts` are the prompts' text where they came as ids."""
         if isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
-            raise ValueError("prompts must be a list of prompts (each a string, a list of token ids or a dict)")
+            prompts = [prompts]  # one prompt
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
@@ -72,12 +99,21 @@ class LLM:
         requests = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             text_or_ids, salt = _unpack(prompt, f"request {i}")
-            requests.append((self.engine.validate_request(text_or_ids, sp, f"request {i}"), sp, salt))
+            text = text_or_ids if isinstance(text_or_ids, str) else texts[i] if texts else None
+            requests.append((self.engine.validate_request(text_or_ids, sp, f"request {i}"), sp, salt, text))
+        groups = []
+        for i, (ids, sp, salt, text) in enumerate(requests):
+            groups.append([self.engine.new_request(ids, sp, i, salt, sample=j, prompt=text) for j in range(sp.n)])
         # Into the inbox, not the scheduler: a step in flight (under the lock) must not wait for
-        # this, and the next step takes them in, together with other callers' requests.
-        seqs = [self.engine.new_request(ids, sp, i, salt) for i, (ids, sp, salt) in enumerate(requests)]
-        self._inbox.extend(seqs)
-        return seqs
+        # this, and the next step takes them in, together with other callers' requests. With
+        # prefix caching a prompt's later samples wait for its first to prefill it.
+        for first, *others in groups:
+            if others and self.engine.config.enable_prefix_caching:
+                first.followers = others
+                self._inbox.append(first)
+            else:
+                self._inbox.extend([first, *others])
+        return groups
 
     def _step_until(self, done) -> None:
         """Runs engine steps, for every caller's requests, until `done()` holds. `done` reads
@@ -126,8 +162,30 @@ class LLM:
             seq = self.engine.requests.get(str(request_id))
             if seq is None or seq.status is Status.FINISHED:
                 return False
-            self.engine.abort(seq)
+            self.engine.abort(seq)  # and the prompt's other samples
             return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached page and checkpoint; False (nothing done) while requests are
+        in flight, as in vLLM."""
+        with self._lock:
+            if self.engine.has_unfinished or self._inbox:
+                return False
+            self.engine.scheduler.cache.clear()
+            return True
+
+    def start_profile(self) -> None:
+        """Starts a JAX profiler trace (TensorBoard / Perfetto) into the directory named by
+        $JAXENGINE_PROFILER_DIR, or by vLLM's $VLLM_TORCH_PROFILER_DIR."""
+        directory = os.environ.get("JAXENGINE_PROFILER_DIR") or os.environ.get("VLLM_TORCH_PROFILER_DIR")
+        if not directory:
+            raise RuntimeError("LLM.start_profile needs JAXENGINE_PROFILER_DIR (or VLLM_TORCH_PROFILER_DIR) set "
+                               "to the directory for the trace")
+        jax.profiler.start_trace(directory)
+
+    def stop_profile(self) -> None:
+        """Ends the trace `start_profile` began and writes it."""
+        jax.profiler.stop_trace()
 
     def stats(self) -> dict:
         """Prefix-cache counters (tokens hit / asked, evictions, bytes held) and pool use."""
@@ -136,33 +194,72 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[Prompt],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generates a completion for each prompt (text or token ids); outputs in input order."""
-        seqs = self._submit(prompts, sampling_params)
-        with tqdm(total=len(seqs), desc="requests", disable=not use_tqdm or len(seqs) < 2) as bar:
+        """Generates `n` completions for each prompt (text, token ids or a prompt dict; one or
+        a list); outputs in input order. Without sampling params: `get_default_sampling_params()`."""
+        return self._generate(self._submit(prompts, sampling_params), use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation (a list of {"role", "content"} messages) or
+        a list of them, rendered with the tokenizer's chat template (or `chat_template`, a
+        Jinja string or a file holding one) through transformers' `apply_chat_template`."""
+        if self.tokenizer is None:
+            raise ValueError(f"LLM.chat needs a tokenizer; {self.engine.model_dir} has no tokenizer.json")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if chat_template is not None and Path(chat_template).is_file():
+            chat_template = Path(chat_template).read_text()
+        if chat_template is None and self.tokenizer.chat_template is None:
+            raise ValueError(f"LLM.chat: the tokenizer of {self.engine.model_dir} has no chat template "
+                             f"(tokenizer_config.json or chat_template.jinja); pass chat_template=")
+        texts = [
+            self.tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            for conversation in conversations
+        ]
+        # The template writes any special tokens itself: tokenized without adding more.
+        ids = [{"prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)} for t in texts]
+        return self._generate(self._submit(ids, sampling_params, texts=texts), use_tqdm)
+
+    def _generate(self, groups: list[list[EngineSequence]], use_tqdm: bool) -> list[RequestOutput]:
+        seqs = [s for group in groups for s in group]
+        with tqdm(total=len(groups), desc="requests", disable=not use_tqdm or len(groups) < 2) as bar:
 
             def done() -> bool:
-                finished = sum(s.status is Status.FINISHED for s in seqs)
+                finished = sum(all(s.status is Status.FINISHED for s in g) for g in groups)
                 bar.update(finished - bar.n)
-                return finished == len(seqs)
+                return finished == len(groups)
 
             try:
                 self._step_until(done)
             except BaseException:
                 self._abort(seqs)
                 raise
-        return [self.engine.output(s) for s in seqs]
+        return [self.engine.output(group) for group in groups]
 
     def generate_stream(
-        self, prompts: Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+        self, prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> "RequestStream":
-        """Yields each request's new tokens and text as soon as a step produces them. The
-        requests are validated and queued now; see `RequestStream`."""
-        return RequestStream(self, self._submit(prompts, sampling_params))
+        """Yields each request's new tokens and text as soon as a step produces them (one
+        stream of increments per sample). The requests are validated and queued now; see
+        `RequestStream`."""
+        groups = self._submit(prompts, sampling_params)
+        return RequestStream(self, [s for group in groups for s in group])
 
     def prompt_logits(self, token_ids: Sequence[int], chunk_sizes: Sequence[int] | None = None):
         """Logits after every prompt token, `[len, vocab]` float32, via the paged prefill path.
@@ -231,9 +328,9 @@ class RequestStream:
             self._sent_tokens[i] += len(new_tokens)
             self._sent_text[i] = text
             self._reported[i] = finished
-            output = engine.output(seq) if finished else None
-            return StreamOutput(i, seq.request_id, new_tokens, text[len(sent) :] if text.startswith(sent) else text,
-                                finished, output)
+            output = engine.output([seq]) if finished else None
+            return StreamOutput(seq.index, seq.request_id, new_tokens,
+                                text[len(sent) :] if text.startswith(sent) else text, finished, output, seq.sample)
         return None
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """The engine loop: requests in, one scheduled and sampled step at a time, tokens out."""
 
+import dataclasses
 import logging
 import threading
 import time
@@ -8,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxengine.cache import checkpoint_policy
@@ -18,18 +20,21 @@ from jaxengine.cache.prefix_cache import PrefixCache
 from jaxengine.engine.batch_builder import BatchBuilder, Shape
 from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.interrupts import deferred_interrupts
-from jaxengine.engine.outputs import RequestMetrics, RequestOutput
+from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxengine.engine.pools import store_layout
 from jaxengine.engine.runner import ModelRunner, enable_compilation_cache
+from jaxengine.engine.sampler import PromptLogprobs
 from jaxengine.engine.sampling_params import SamplingParams, is_int
 from jaxengine.engine.scheduler import ScheduledStep, Scheduler
 from jaxengine.engine.sequence import Sequence, Status
 from jaxengine.engine.speculative import SpecStats, SpeculationGate, accept, ngram_proposal
 from jaxengine.engine.step_store import StepStore
 from jaxengine.engine.tokenizer import load_tokenizer
-from jaxengine.models.config import ModelConfig
+from jaxengine.models.config import ModelConfig, checkpoint_dtype, load_model_config
 from jaxengine.models.kernels import kernel_ops
 from jaxengine.models.loader import load_model
+from jaxengine.models.mixer_state import state_bytes
+from jaxengine.models.mixers import recurrent_states
 
 logger = logging.getLogger("jaxengine")
 
@@ -39,15 +44,20 @@ class LLMEngine:
 
     def __init__(self, model: str | Path, config: EngineConfig):
         config.validate()
+        self.model_dir = Path(model)
+        if config.dtype == "auto":
+            config = dataclasses.replace(config, dtype=checkpoint_dtype(self.model_dir))
         self.config = config
         # Interpreted kernels run host callbacks, which a persistent cache must not store.
         cache_dir = None if config.kernels.startswith("pallas-interpret") else config.compilation_cache_dir
         if cache_dir:
             enable_compilation_cache(cache_dir)
-        self.model_dir = Path(model)
         kernel_ops(config.kernels)  # kernels this machine cannot run: an error now, not at the first step
+        if config.dtype == "float16" and load_model_config(self.model_dir).num_recurrent_layers:
+            raise ValueError("engine argument dtype='float16' is not supported for models with recurrent layers "
+                             "(their float32 states would not fit float16 checkpoints); use bfloat16 or float32")
         self.model_config, graphdef, params = load_model(self.model_dir, config.dtype, config.kernels)
-        self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_dir)
         cfg = self.model_config
         self.max_model_len = config.resolved_max_model_len(cfg)
         if cfg.num_attention_layers and self.max_model_len > cfg.max_position_embeddings:
@@ -61,6 +71,9 @@ class LLMEngine:
         layout = store_layout(cfg, config.page_size, jax.tree.leaves(params)[0].dtype)
         blocks_per_checkpoint = layout.blocks_per_checkpoint if layout else 0
         self.retention_interval, why = config.resolved_retention_interval(cfg)
+        if config.gpu_memory_utilization is not None:
+            self.config = config = dataclasses.replace(
+                config, gpu_memory_utilization=None, kv_cache_memory_bytes=self._device_pool_bytes(cfg))
         num_blocks = config.resolved_num_cache_blocks(cfg, blocks_per_checkpoint if caching else 0)
         cache = PrefixCache(
             BlockPool(num_blocks),
@@ -126,6 +139,25 @@ class LLMEngine:
         self.peak_slots_in_use = 0
         self.steps_in_larger_shapes = 0  # run in a larger shape while theirs compiled in the background
         self._next_id = 0
+
+    def _device_pool_bytes(self, cfg: ModelConfig) -> int | None:
+        """Bytes for the cache pool under gpu_memory_utilization: that fraction of the device's
+        memory, less what is in use (the weights) and the live state slots. None (the default
+        sizing) on a device that reports no memory limit, as a CPU does."""
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            logger.info("engine argument gpu_memory_utilization has no effect on %s (no device memory limit): "
+                        "the pool gets its default size", jax.devices()[0].platform)
+            return None
+        slots = self.config.resolved_num_ssm_slots() if cfg.num_recurrent_layers else 0
+        slot_bytes = sum(state_bytes(arrays, jnp.dtype(self.config.dtype)) for arrays in recurrent_states(cfg))
+        budget = int(self.config.gpu_memory_utilization * stats["bytes_limit"]) - stats.get("bytes_in_use", 0)
+        budget -= slots * slot_bytes
+        if budget < 2 * self.config.block_bytes(cfg):
+            raise ValueError(f"engine argument gpu_memory_utilization={self.config.gpu_memory_utilization} leaves "
+                             f"no room for the cache pool ({stats.get('bytes_in_use', 0)} bytes in use of "
+                             f"{stats['bytes_limit']})")
+        return budget
 
     def _costs(self, cfg: ModelConfig, params, blocks_per_checkpoint: int) -> ModelCosts:
         """What the prefix cache weighs hits by (`hit_value.py`)."""
@@ -195,29 +227,56 @@ class LLMEngine:
             raise ValueError(f"{where}: a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError(f"{where}: the prompt is empty")
+        if params.truncate_prompt_tokens is not None:
+            keep = self.max_model_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            ids = ids[-keep:]
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(f"{where}: SamplingParams.bad_words needs a tokenizer.json in {self.model_dir}")
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"{where}: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_model_len={self.max_model_len}"
-            )
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"{where}: the prompt ({len(ids)} tokens) leaves no room for output within "
+                             f"max_model_len={self.max_model_len}")
+        total = len(ids) + self.max_output_tokens(len(ids), params)
         cache = self.scheduler.cache
         if cache.has_kv and -(-total // self.config.page_size) > cache.pool.num_usable:
             raise ValueError(f"{where}: needs {total} tokens of KV cache, more than the whole pool holds")
         return ids
 
+    def max_output_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """`max_tokens`, capped (as vLLM caps it) where the output would pass max_model_len."""
+        room = self.max_model_len - num_prompt_tokens
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word as tokenized alone and, where that gives other tokens of the same
+        count, after a space (a word mid-text), as vLLM tokenizes them."""
+        words = []
+        for word in params.bad_words or ():
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            words.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                words.append(spaced)
+        return words
+
     def new_request(
-        self, token_ids: list[int], params: SamplingParams, index: int = 0, cache_salt: str | None = None
+        self, token_ids: list[int], params: SamplingParams, index: int = 0, cache_salt: str | None = None,
+        *, sample: int = 0, prompt: str | None = None,
     ) -> Sequence:
-        """An already validated request, not queued yet (`enqueue`); safe from any thread."""
+        """An already validated request, not queued yet (`enqueue`); safe from any thread.
+        It keeps its own copy of `params`, with max_tokens resolved and, for sample j of a
+        seeded prompt, seed + j (as vLLM seeds its n samples)."""
         with self._id_lock:
             request_id = str(self._next_id)
             self._next_id += 1
+        max_tokens = self.max_output_tokens(len(token_ids), params)
+        params = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens),
+                                     seed=None if params.seed is None else params.seed + sample)
         seed = params.step_seed if params.seed is not None else zlib.crc32(f"{self.config.seed}/{request_id}".encode())
-        seq = Sequence(request_id, index, list(token_ids), len(token_ids), params, seed, cache_salt=cache_salt)
+        seq = Sequence(request_id, index, list(token_ids), len(token_ids), params, seed, cache_salt=cache_salt,
+                       prompt=prompt, sample=sample, bad_word_ids=self._bad_word_ids(params))
         self.requests[request_id] = seq
         return seq
 
@@ -225,6 +284,10 @@ class LLMEngine:
         """Hands a new request to the scheduler (unless it was aborted meanwhile)."""
         if seq.status is Status.WAITING:
             self.scheduler.add(seq)
+
+    def _release_followers(self, seq: Sequence) -> None:
+        """Queues a prompt's other samples, first in line, once `seq` has prefilled it."""
+        self.scheduler.add_front([f for f in seq.followers if f.status is Status.WAITING])
 
     def add_request(
         self, token_ids: list[int], params: SamplingParams, index: int = 0, cache_salt: str | None = None
@@ -259,18 +322,20 @@ class LLMEngine:
                 raise
 
     def abort(self, seq: Sequence) -> None:
-        """Stops a request now and releases what it holds (finish reason "abort")."""
-        if seq.status is not Status.FINISHED:
-            seq.finish_time = time.perf_counter()
-        self.scheduler.abort(seq)
-        self.requests.pop(seq.request_id, None)
+        """Stops a request now, with its prompt's other samples, and releases what they hold
+        (finish reason "abort")."""
+        for s in [seq, *seq.followers]:
+            if s.status is not Status.FINISHED:
+                s.finish_time = time.perf_counter()
+            self.scheduler.abort(s)
+            self.requests.pop(s.request_id, None)
 
     def _propose(self, seq: Sequence, at_most: int) -> list[int]:
         """Draft tokens for a sequence about to decode: at most `at_most`, none past its
         max_tokens or max_model_len."""
         limit = min(self.speculative.num_speculative_tokens, at_most,
                     seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq.tokens))
-        if limit < 1 or not self.drafting:
+        if limit < 1 or not self.drafting or seq.bad_word_ids:  # bad words: bans depend on each drafted token
             return []
         start = time.perf_counter()
         drafts = self.draft(seq, limit)[:limit]
@@ -296,9 +361,11 @@ class LLMEngine:
         seconds = time.perf_counter() - start
         if any(scheduled.drafts):
             self.spec_stats.verify_seconds += seconds
+        if any(s.params.prompt_logprobs is not None for s in scheduled.seqs):
+            self._record_prompt_logprobs(scheduled, out.prompt)
         want_logprobs = any(s.params.logprobs is not None for s in scheduled.seqs)
         if want_logprobs:
-            chosen, top_lp, top_ids = (np.asarray(a) for a in (out.logprob, out.top_logprobs, out.top_ids))
+            chosen, top_lp, top_ids, ranks = (np.asarray(a) for a in (out.logprob, out.top_logprobs, out.top_ids, out.rank))
         now = time.perf_counter()
         width = tokens.shape[1]
         updated, finished, kept = [], [], []
@@ -314,15 +381,16 @@ class LLMEngine:
             for row, token in enumerate(emitted, start=first_row):
                 seq.tokens.append(token)
                 if seq.params.logprobs is not None:
-                    entry = {int(t): float(lp) for t, lp in zip(top_ids[i, row, : seq.params.logprobs], top_lp[i, row])}
-                    entry[token] = float(chosen[i, row])
-                    seq.logprobs.append(entry)
+                    top = zip(top_ids[i, row, : seq.params.logprobs], top_lp[i, row])
+                    seq.logprobs.append(self._logprobs(seq, token, float(chosen[i, row]), int(ranks[i, row]), top))
+                    seq.cumulative_logprob += float(chosen[i, row])
                 self._check_finished(seq, token)
                 if seq.finish_reason is not None:
                     break  # tokens past a stop are dropped
             kept[-1] = row - first_row  # drafts now computed; the last token appended is the pending one
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                self._release_followers(seq)
             if seq.finish_reason is not None:
                 finished.append(seq)
             updated.append(seq)
@@ -337,6 +405,21 @@ class LLMEngine:
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)
         return updated
+
+    def _record_prompt_logprobs(self, scheduled: ScheduledStep, prompt: PromptLogprobs) -> None:
+        """Appends the Logprob entries of the prompt tokens this step's chunks predict (the
+        tokens after the ones they compute), for the sequences that asked."""
+        lp, rank, top_lp, top_ids = (np.asarray(a) for a in (prompt.logprob, prompt.rank, prompt.top_logprobs,
+                                                              prompt.top_ids))
+        offset = 0
+        for seq, n in zip(scheduled.seqs, scheduled.num_tokens):
+            k, start = seq.params.prompt_logprobs, seq.num_computed
+            for q in range(start, min(start + n, seq.num_prompt_tokens - 1)) if k is not None else ():
+                if len(seq.prompt_logprobs) == q + 1:  # else recorded before a preemption
+                    t = offset + q - start
+                    top = zip(top_ids[t, :k], top_lp[t, :k])
+                    seq.prompt_logprobs.append(self._logprobs(seq, seq.tokens[q + 1], float(lp[t]), int(rank[t]), top))
+            offset += n
 
     def _note_pool_use(self) -> None:
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.scheduler.cache.pool.num_referenced)
@@ -377,42 +460,78 @@ class LLMEngine:
             **(self.spec_stats.as_dict() if self.spec_stats else {}),
         }
 
+    def _logprobs(self, seq: Sequence, token: int, logprob: float, rank: int, top) -> dict[int, Logprob]:
+        """One position's Logprob entries: the chosen (or prompt) token first, then the top N."""
+        entry = {token: Logprob(logprob, rank, self._token_text(seq, token))}
+        for r, (t, lp) in enumerate(top, start=1):
+            entry.setdefault(int(t), Logprob(float(lp), r, self._token_text(seq, int(t))))
+        return entry
+
+    def _token_text(self, seq: Sequence, token: int) -> str | None:
+        if self.tokenizer is None or not seq.params.detokenize:
+            return None
+        return self.tokenizer.decode([token])
+
     def _check_finished(self, seq: Sequence, token: int) -> None:
         p = seq.params
         if seq.num_output_tokens >= p.min_tokens:
-            if token in p.stop_token_ids or (not p.ignore_eos and token in self.model_config.eos_token_ids):
+            if token in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return
+            if not p.ignore_eos and token in self.model_config.eos_token_ids:
                 seq.finish_reason = "stop"
                 return
             if p.stop and self.tokenizer is not None:
-                text = self.decode(seq)
-                hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
-                if hits:
-                    seq.stop_text_cut = min(hits)
-                    seq.finish_reason = "stop"
+                text = self._full_text(seq)
+                found = [(at, s) for s in p.stop if (at := text.find(s)) >= 0]
+                if found:
+                    at, stop = min(found)
+                    seq.stop_text_cut = at + len(stop) if p.include_stop_str_in_output else at
+                    seq.finish_reason, seq.stop_reason = "stop", stop
                     return
         if seq.num_output_tokens >= p.max_tokens:
             seq.finish_reason = "length"
 
     # ------------------------------------------------------------------ outputs
 
+    def _full_text(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
     def decode(self, seq: Sequence) -> str:
-        """The output text so far, cut before a matched stop string."""
-        if self.tokenizer is None:
+        """The output text so far, cut at a matched stop string ("" without detokenizing)."""
+        if self.tokenizer is None or not seq.params.detokenize:
             return ""
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        text = self._full_text(seq)
         return text if seq.stop_text_cut is None else text[: seq.stop_text_cut]
 
-    def output(self, seq: Sequence) -> RequestOutput:
+    def completion(self, seq: Sequence) -> CompletionOutput:
+        """One sample's output so far."""
         metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_preemptions)
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.tokens[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids,
+        wants_logprobs = seq.params.logprobs is not None
+        return CompletionOutput(
+            index=seq.sample,
             text=self.decode(seq) if self.tokenizer is not None else None,
+            token_ids=seq.output_token_ids,
+            cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+            logprobs=seq.logprobs if wants_logprobs else None,
             finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens or 0,
-            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            stop_reason=seq.stop_reason,
             metrics=metrics,
+        )
+
+    def output(self, samples: list[Sequence]) -> RequestOutput:
+        """The output of one prompt from its samples (sample 0 first)."""
+        first = samples[0]
+        outputs = [self.completion(s) for s in samples]
+        return RequestOutput(
+            request_id=first.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.tokens[: first.num_prompt_tokens],
+            prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
+            outputs=outputs,
+            finished=all(s.status is Status.FINISHED for s in samples),
+            num_cached_tokens=first.num_cached_tokens or 0,
+            metrics=outputs[0].metrics,
         )
 
     # ------------------------------------------------------------------ prompt logits

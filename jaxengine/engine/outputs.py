@@ -1,6 +1,20 @@
-"""What the engine hands back to users."""
+"""What the engine hands back to users, shaped as vLLM's `RequestOutput` / `CompletionOutput`."""
 
 import dataclasses
+
+
+@dataclasses.dataclass
+class Logprob:
+    """One token's log-probability under the model's raw distribution, its rank in that
+    distribution (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per output position: token id -> Logprob (the top-N tokens and the one chosen).
+SampleLogprobs = list[dict[int, Logprob]]
 
 
 @dataclasses.dataclass
@@ -23,17 +37,17 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass
-class RequestOutput:
-    """The result of one prompt."""
+class CompletionOutput:
+    """One sample of a request (`SamplingParams.n` of them)."""
 
-    request_id: str
-    prompt_token_ids: list[int]
+    index: int  # which of the request's n samples
+    text: str | None  # None for a model without a tokenizer
     token_ids: list[int]
-    text: str | None
-    finish_reason: str | None  # "stop" (eos, stop token or stop string), "length" (max_tokens)
-    num_cached_tokens: int = 0
-    logprobs: list[dict[int, float]] | None = None  # per output token: token id -> log-probability
-    metrics: RequestMetrics | None = None
+    cumulative_logprob: float | None  # sum of the chosen tokens' logprobs (None unless logprobs were asked)
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop" (eos, stop token or stop string), "length", "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for eos)
+    metrics: RequestMetrics | None = None  # jaxengine's: this sample's timings
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -42,6 +56,33 @@ class RequestOutput:
     @property
     def time_per_output_token(self) -> float | None:
         return self.metrics.time_per_output_token(len(self.token_ids)) if self.metrics else None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The result of one prompt: its samples in `outputs`."""
+
+    request_id: str
+    prompt: str | None  # the prompt's text when it was given as text
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None  # None first (the first token has none)
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    metrics: RequestMetrics | None = None  # of the first sample
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """jaxengine's: seconds from arrival to the first sample's first token."""
+        return self.outputs[0].time_to_first_token
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """jaxengine's: mean seconds between the first sample's later tokens."""
+        return self.outputs[0].time_per_output_token
 
 
 @dataclasses.dataclass
@@ -54,3 +95,4 @@ class StreamOutput:
     new_text: str
     finished: bool
     output: RequestOutput | None = None  # the complete output, on the last increment
+    sample: int = 0  # which of the request's n samples

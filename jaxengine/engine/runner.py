@@ -1,5 +1,6 @@
 """The model runner: owns the parameters and the donated pools and runs compiled steps."""
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import PyTreeDef
 
 from jaxengine.engine.pools import allocate_pools
-from jaxengine.engine.sampler import SampleOutput, SamplingBatch, sample_tokens
+from jaxengine.engine.sampler import SampleOutput, SamplingBatch, prompt_logprobs, sample_tokens
 from jaxengine.engine.step_executables import StepExecutables
 from jaxengine.engine.step_store import StepStore
 from jaxengine.models.batch import Pools, StepBatch
@@ -39,10 +40,12 @@ def _sample_step(
     decode: bool,
     num_logprobs: int,
 ) -> tuple[SampleOutput, Pools]:
-    """One engine step: forward, then sample each sequence's sample rows on device."""
-    logits, pools = _model_step(graphdef, treedef, param_leaves, pools, batch, decode=decode, all_logits=False,
-                                rows=sampling.sample_rows.reshape(-1))
-    return sample_tokens(logits, sampling, num_logprobs), pools
+    """One engine step: forward, then sample each sequence's sample rows on device (and the
+    prompt log-probabilities of the tokens `sampling.next_ids` asks for)."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
+    h, pools = model(pools, batch, decode=decode, hidden=True)  # [T, D]
+    out = sample_tokens(model.head(h[sampling.sample_rows.reshape(-1)]), sampling, num_logprobs)
+    return dataclasses.replace(out, prompt=prompt_logprobs(model.head, h, sampling.next_ids, num_logprobs)), pools
 
 
 def enable_compilation_cache(directory: str | Path) -> None:

@@ -6,6 +6,7 @@ under the same settings and key as a plain decode step drawing that index, with 
 before it counted in the penalties' history."""
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,13 @@ class SamplingBatch:
     banned: jax.Array  # [S, B] int32: ids that may not be drawn before output index min_tokens, -1 padded
     min_tokens: jax.Array  # [S] int32
     wants_logprobs: jax.Array  # [S] bool: the row asked for its top log-probabilities
+    bias_ids: jax.Array  # [S, NB] int32: logit_bias token ids, -1 padded
+    bias_values: jax.Array  # [S, NB] float32: added to those tokens' logits
+    allowed_ids: jax.Array  # [S, NA] int32: allowed_token_ids, -1 padded (none: every token allowed)
+    bad_ids: jax.Array  # [S, NW] int32: tokens that would complete a bad word, -1 padded
     sample_rows: jax.Array  # [S, W] int32: flat token index of each sample row (the last W tokens)
     num_drafts: jax.Array  # [S] int32: drafts among them (0: only the last row is used)
+    next_ids: jax.Array  # [T] int32: per token, the prompt token after it whose log-probability is asked, or -1
 
 
 @jax.tree_util.register_dataclass
@@ -61,6 +67,40 @@ class SampleOutput:
     logprob: jax.Array  # [S, W] float32: raw log-probability of the chosen token
     top_logprobs: jax.Array  # [S, W, K] float32: the K most likely tokens' raw log-probabilities (0 unless asked)
     top_ids: jax.Array  # [S, W, K] int32 (0 unless some row asked)
+    rank: jax.Array  # [S, W] int32: the chosen token's rank in the raw distribution, 1 = most likely (0 unless asked)
+    prompt: "PromptLogprobs | None" = None  # set by the engine step
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """Per token of the step: the raw log-probability and rank of the prompt token after it
+    (`SamplingBatch.next_ids`), and the K most likely tokens there; zeros unless some token asked."""
+
+    logprob: jax.Array  # [T] float32
+    rank: jax.Array  # [T] int32
+    top_logprobs: jax.Array  # [T, K] float32
+    top_ids: jax.Array  # [T, K] int32
+
+
+def prompt_logprobs(head: Callable[[jax.Array], jax.Array], h: jax.Array, next_ids: jax.Array,
+                    num_logprobs: int) -> PromptLogprobs:
+    """`PromptLogprobs` from every token's final hidden state `h` [T, D]. The LM head runs on
+    all T tokens only in steps where some token asks (prompt_logprobs requests prefilling)."""
+
+    def asked(h: jax.Array) -> PromptLogprobs:
+        logprobs = jax.nn.log_softmax(head(h), axis=-1)  # [T, V]
+        chosen = jnp.take_along_axis(logprobs, jnp.maximum(next_ids, 0)[:, None], axis=-1)[:, 0]
+        values, ids = jax.lax.top_k(logprobs, num_logprobs)
+        rank = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1)
+        return PromptLogprobs(chosen, rank.astype(jnp.int32), values, ids.astype(jnp.int32))
+
+    def none(h: jax.Array) -> PromptLogprobs:
+        t = h.shape[0]
+        zeros = jnp.zeros((t, num_logprobs), jnp.int32)
+        return PromptLogprobs(jnp.zeros(t, jnp.float32), jnp.zeros(t, jnp.int32), zeros.astype(jnp.float32), zeros)
+
+    return jax.lax.cond(jnp.any(next_ids >= 0), asked, none, h)
 
 
 def _apply_penalties(logits: jax.Array, sb: SamplingBatch, rows: RowSettings) -> jax.Array:
@@ -78,6 +118,22 @@ def _apply_penalties(logits: jax.Array, sb: SamplingBatch, rows: RowSettings) ->
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - sb.frequency_penalty[:, None] * out_counts
     return logits - sb.presence_penalty[:, None] * (out_counts > 0)
+
+
+def _ban(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """`logits` [R, V] with the tokens `ids` [R, N] (-1: none) of each row set to -inf."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, jnp.clip(ids, 0, logits.shape[1] - 1)].min(jnp.where(ids >= 0, -jnp.inf, jnp.inf))
+
+
+def _restrict(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
+    """logit_bias, then allowed_token_ids and bad words, as masks over the vocabulary."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    vocab = logits.shape[1]
+    logits = logits.at[rows, jnp.clip(sb.bias_ids, 0, vocab - 1)].add(jnp.where(sb.bias_ids >= 0, sb.bias_values, 0))
+    allowed = jnp.zeros(logits.shape, bool).at[rows, jnp.clip(sb.allowed_ids, 0, vocab - 1)].max(sb.allowed_ids >= 0)
+    logits = jnp.where((sb.allowed_ids[:, :1] >= 0) & ~allowed, -jnp.inf, logits)
+    return _ban(logits, sb.bad_ids)
 
 
 def _filter(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
@@ -104,13 +160,14 @@ def sample_tokens(logits: jax.Array, seq_sb: SamplingBatch, num_logprobs: int) -
     rows = row_settings(seq_sb)
     # Per-row settings (the history stays per sequence: `rows` says how much of it each row counts).
     per_row = {f.name: getattr(seq_sb, f.name)[rows.seq] for f in dataclasses.fields(seq_sb)
-               if f.name not in ("history", "sample_rows", "steps")}
+               if f.name not in ("history", "sample_rows", "steps", "next_ids")}
     sb = dataclasses.replace(seq_sb, **per_row, steps=rows.steps)
     logits = jnp.asarray(logits, jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    row_ids = jnp.arange(logits.shape[0])[:, None]
     banned = jnp.where((rows.steps < sb.min_tokens)[:, None], sb.banned, -1)
-    logits = logits.at[row_ids, jnp.clip(banned, 0, logits.shape[1] - 1)].min(jnp.where(banned >= 0, -jnp.inf, jnp.inf))
+    logits = _ban(logits, banned)
+    restricted = jnp.any(sb.bias_ids >= 0) | jnp.any(sb.allowed_ids >= 0) | jnp.any(sb.bad_ids >= 0)
+    logits = jax.lax.cond(restricted, _restrict, lambda logits, sb: logits, logits, sb)
     # Penalties scatter every row's history over the vocabulary: only when some row has one.
     penalised = jnp.any(sb.repetition_penalty != 1) | jnp.any(sb.frequency_penalty != 0) | jnp.any(
         sb.presence_penalty != 0
@@ -130,15 +187,18 @@ def sample_tokens(logits: jax.Array, seq_sb: SamplingBatch, num_logprobs: int) -
     drawn = jax.lax.cond(jnp.any(sb.temperature > 0), sample, lambda scaled: greedy, logits / temp[:, None])
     tokens = jnp.where(sb.temperature > 0, drawn, greedy).astype(jnp.int32)
 
-    def top(logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
-        values, ids = jax.lax.top_k(logprobs, num_logprobs)
-        return values, ids.astype(jnp.int32)
-
-    def none(logprobs: jax.Array) -> tuple[jax.Array, jax.Array]:
-        rows = logprobs.shape[0]
-        return jnp.zeros((rows, num_logprobs), jnp.float32), jnp.zeros((rows, num_logprobs), jnp.int32)
-
-    top_logprobs, top_ids = jax.lax.cond(jnp.any(sb.wants_logprobs), top, none, raw_logprobs)
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+
+    def top(logprobs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        values, ids = jax.lax.top_k(logprobs, num_logprobs)
+        rank = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1)
+        return values, ids.astype(jnp.int32), rank.astype(jnp.int32)
+
+    def none(logprobs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        rows = logprobs.shape[0]
+        zeros = jnp.zeros((rows, num_logprobs), jnp.int32)
+        return zeros.astype(jnp.float32), zeros, jnp.zeros((rows,), jnp.int32)
+
+    top_logprobs, top_ids, rank = jax.lax.cond(jnp.any(sb.wants_logprobs), top, none, raw_logprobs)
     by_seq = lambda a: a.reshape(num_seqs, width, *a.shape[1:])  # noqa: E731
-    return SampleOutput(by_seq(tokens), by_seq(chosen), by_seq(top_logprobs), by_seq(top_ids))
+    return SampleOutput(by_seq(tokens), by_seq(chosen), by_seq(top_logprobs), by_seq(top_ids), by_seq(rank))

@@ -109,6 +109,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_front(self, seqs: list[Sequence]) -> None:
+        """Queues `seqs`, in order, ahead of every waiting sequence."""
+        self.waiting.extendleft(reversed(seqs))
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -166,6 +170,8 @@ class Scheduler:
         """Takes a waiting sequence into the running set; returns its first chunk's size
         (0, and nothing taken, if its slots or pages cannot be had)."""
         hashes = self._hashes(seq)[: (len(seq.tokens) - 1) // self.page_size]  # leave a token to compute
+        if seq.params.prompt_logprobs is not None:
+            hashes = []  # every prompt token's logits are asked for: computed, not hit (as in vLLM)
         match = self.cache.match(hashes)
         slots = None
         if self.slots is not None:

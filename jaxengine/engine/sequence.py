@@ -5,6 +5,7 @@ import enum
 import time
 
 from jaxengine.cache.prefix_cache import Checkpoint
+from jaxengine.engine.outputs import Logprob
 from jaxengine.engine.sampling_params import SamplingParams
 
 
@@ -29,6 +30,12 @@ class Sequence:
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     status: Status = Status.WAITING
     cache_salt: str | None = None
+    prompt: str | None = None  # the prompt's text, when given as text
+    sample: int = 0  # which of its prompt's n samples
+    # The prompt's other samples (on sample 0 only, with prefix caching): queued once this one
+    # has prefilled the prompt, so they start from its cached pages and checkpoint.
+    followers: list["Sequence"] = dataclasses.field(default_factory=list)
+    bad_word_ids: list[list[int]] = dataclasses.field(default_factory=list)  # its bad_words, tokenized
     num_computed: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)  # KV blocks of its page table
     # Recurrent state: the live slots it owns (two, plus one per draft position when
@@ -49,10 +56,13 @@ class Sequence:
     trailing_checkpoint: bytes | None = None
     num_preemptions: int = 0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     stop_text_cut: int | None = None  # characters of output text kept when a stop string matched
     first_token_time: float | None = None
     finish_time: float | None = None
-    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] = dataclasses.field(default_factory=lambda: [None])
+    cumulative_logprob: float = 0.0  # of its chosen tokens (kept when logprobs are asked)
 
     @property
     def num_output_tokens(self) -> int:

@@ -510,3 +510,12 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         raise ValueError(f"{path}: unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}")
     hf = AutoConfig.from_pretrained(str(model_dir))
     return ARCHITECTURES[architecture](hf)
+
+
+def checkpoint_dtype(model_dir: str | Path) -> str:
+    """The dtype `config.json` says the weights were saved in ("float32" when it says none,
+    or one jaxengine does not compute in): what engine argument dtype="auto" means."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    saved = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    return saved if saved in ("float32", "bfloat16", "float16") else "float32"

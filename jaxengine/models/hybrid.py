@@ -60,13 +60,14 @@ class HybridLM(nnx.Module):
 
     def __call__(
         self, pools: Pools, batch: StepBatch, *, decode: bool = False, all_logits: bool = False,
-        rows: jax.Array | None = None,
+        rows: jax.Array | None = None, hidden: bool = False,
     ) -> tuple[jax.Array, Pools]:
         """Runs one ragged step.
 
         Returns float32 logits `[T, V]` for every token when `all_logits`, `[R, V]` for the
         flat token indices `rows` [R] when given, else `[S, V]` for each sequence's last token
-        this step; and the updated pools."""
+        this step — or with `hidden`, every token's final hidden state `[T, D]` (`head` turns
+        it into logits); and the updated pools."""
         cfg = self.cfg
         ops: KernelOps = kernel_ops(self.kernels)
         page_size = pools.k_pages[0].shape[1] if pools.k_pages else 1  # without attention: unused
@@ -115,16 +116,22 @@ class HybridLM(nnx.Module):
                 out = ffn(layer.ffn_norm(h))
                 h = h + out * cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else h + out
 
+        pools = pools.with_store(store, tuple(states))
         if rows is not None:
             h = h[rows]
-        elif not all_logits:
+        elif not all_logits and not hidden:
             last = jnp.clip(batch.cu_q_lens[1:] - 1, 0, h.shape[0] - 1)  # [S]
             h = h[last]
         h = self.final_norm(h)
+        return (h if hidden else self.head(h)), pools
+
+    def head(self, h: jax.Array) -> jax.Array:
+        """Final hidden states `[R, D]` -> float32 logits `[R, V]`."""
+        cfg = self.cfg
         if cfg.tie_word_embeddings:
             logits = jnp.einsum("td,vd->tv", h, self.embed[...], preferred_element_type=jnp.float32)
         else:
             logits = self.lm_head(h).astype(jnp.float32)
         if cfg.logits_scaling != 1.0:
             logits = logits / cfg.logits_scaling
-        return logits, pools.with_store(store, tuple(states))
+        return logits

@@ -400,8 +400,8 @@ def load_model(
     """Loads a model directory (Hugging Face, or converted by `jaxengine convert`).
 
     Returns the config, the graph definition and the parameter state, ready for `nnx.merge`."""
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"unsupported dtype={dtype!r}; supported: float32, bfloat16")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"unsupported dtype={dtype!r}; supported: float32, bfloat16, float16")
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
     graphdef, state = nnx.split(abstract_model(cfg, jnp.dtype(dtype), kernels))

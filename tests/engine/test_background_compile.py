@@ -22,14 +22,14 @@ def test_only_the_largest_shapes_wait_and_tokens_are_those_of_exact_shapes(tiny_
     assert len(steps.ready) < len(shapes)  # the rest was left to the background thread
     largest_mixed = max((s for s in shapes if not s.decode), key=lambda s: (s.num_tokens, s.num_seqs))
     assert (largest_mixed.num_tokens, largest_mixed.num_seqs, largest_mixed.num_saves, False) in steps.ready
-    early = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]  # while shapes compile
+    early = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]  # while shapes compile
     assert steps.compiled_on_demand == 0
     assert llm.stats()["steps_in_larger_shapes"] > 0 and llm.stats()["step_shapes_not_ready"] > 0
     gate.set()
     steps.wait()
     assert llm.stats()["step_shapes_not_ready"] == 0
     assert len(steps.ready) == len(shapes)
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == early  # every step its own shape
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == early  # every step its own shape
 
 
 def test_a_step_fits_shapes_no_smaller_and_decode_fits_mixed():

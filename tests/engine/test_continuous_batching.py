@@ -15,7 +15,6 @@ def _workload(seed: int, n: int = 64) -> tuple[list[list[int]], list[int]]:
     return [random_prompt(int(length), seed * 1000 + i) for i, length in enumerate(lengths)], [int(m) for m in max_tokens]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["bamba", "llama"])
 def test_greedy_matches_transformers_under_preemption(tiny_models, arch):
     """64 requests of 1-240 tokens through 8 sequence slots, a 64-token budget and a KV pool
@@ -28,8 +27,8 @@ def test_greedy_matches_transformers_under_preemption(tiny_models, arch):
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, m, out in zip(prompts, max_tokens, outs):
-        assert out.token_ids == hf_greedy(hf_model, prompt, m), f"prompt of {len(prompt)} tokens"
-        assert out.finish_reason == "length"
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, m), f"prompt of {len(prompt)} tokens"
+        assert out.outputs[0].finish_reason == "length"
     sched = llm.engine.scheduler
     assert sched.num_preemptions > 0
     assert not sched.running and not sched.waiting
@@ -57,7 +56,7 @@ def test_no_compiles_after_warm_up(bamba_llm):
 def test_streaming_yields_the_same_tokens_as_generate(bamba_llm):
     prompts = [random_prompt(n, 50 + n) for n in (3, 20, 70)]
     params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
-    expected = [o.token_ids for o in bamba_llm.generate(prompts, params, use_tqdm=False)]
+    expected = [o.outputs[0].token_ids for o in bamba_llm.generate(prompts, params, use_tqdm=False)]
     streamed = [[] for _ in prompts]
     finished = set()
     for event in bamba_llm.generate_stream(prompts, params):
@@ -65,7 +64,7 @@ def test_streaming_yields_the_same_tokens_as_generate(bamba_llm):
         streamed[event.index].extend(event.new_token_ids)
         if event.finished:
             finished.add(event.index)
-            assert event.output.token_ids == streamed[event.index]
+            assert event.output.outputs[0].token_ids == streamed[event.index]
     assert streamed == expected and finished == {0, 1, 2}
 
 

@@ -2,6 +2,7 @@
 whatever mix of prefills, decodes, prefix hits and checkpoint saves it runs."""
 
 import jax
+import pytest
 
 from jaxengine import LLM, SamplingParams
 from tests.models.tiny_models import random_prompt, save_tiny_model
@@ -10,6 +11,7 @@ ARGS = dict(max_model_len=64, page_size=4, max_num_seqs=2, max_num_batched_token
             compilation_cache_dir=None)
 
 
+@pytest.mark.slow
 def test_no_step_compiles_after_warm_up(tmp_path, monkeypatch):
     save_tiny_model("qwen3_5", tmp_path)
     llm = LLM(tmp_path, **ARGS)
@@ -25,6 +27,6 @@ def test_no_step_compiles_after_warm_up(tmp_path, monkeypatch):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     first = llm.generate(prompts, params, use_tqdm=False)
     again = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     assert sum(o.num_cached_tokens for o in again) > 0  # the second round hits checkpoints
     assert steps.compiled_on_demand == 0

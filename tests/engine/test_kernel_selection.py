@@ -35,7 +35,7 @@ def test_interpreted_kernels_match_references_end_to_end(kernel_friendly_bamba, 
     prompts = [random_prompt(11, 1), random_prompt(3, 2)]
     want = LLM(kernel_friendly_bamba, kernels="reference", **ARGS).generate(prompts, GREEDY, use_tqdm=False)
     got = LLM(kernel_friendly_bamba, kernels=kernels, **ARGS).generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
 @pytest.mark.slow
@@ -44,7 +44,7 @@ def test_interpreted_tpu_gated_delta_kernel_matches_the_reference_end_to_end(tmp
     prompts = [random_prompt(11, 1), random_prompt(3, 2)]
     want = LLM(tmp_path, kernels="reference", **ARGS).generate(prompts, GREEDY, use_tqdm=False)
     got = LLM(tmp_path, kernels="pallas-interpret-tpu", **ARGS).generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
 def test_cpu_uses_references_and_unknown_names_fail():

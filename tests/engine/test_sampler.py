@@ -35,8 +35,13 @@ def _batch(n: int, **overrides) -> SamplingBatch:
         banned=np.full((n, 4), -1, np.int32),
         min_tokens=np.zeros(n, np.int32),
         wants_logprobs=np.ones(n, bool),
+        bias_ids=np.full((n, 3), -1, np.int32),
+        bias_values=np.zeros((n, 3), np.float32),
+        allowed_ids=np.full((n, 3), -1, np.int32),
+        bad_ids=np.full((n, 2), -1, np.int32),
         sample_rows=np.arange(n, dtype=np.int32)[:, None],
         num_drafts=np.zeros(n, np.int32),
+        next_ids=np.full(n, -1, np.int32),
     )
     for key, value in overrides.items():
         fields[key] = np.asarray(value, dtype=fields[key].dtype)
@@ -158,3 +163,23 @@ def test_verify_rows_draw_each_output_index_as_a_plain_step_would():
         want = sample_tokens(logits[1 + j : 2 + j], plain, num_logprobs=1)
         assert int(verify.tokens[0, 1 + j]) == int(want.tokens[0]), j
         np.testing.assert_allclose(verify.logprob[0, 1 + j], want.logprob[0], rtol=1e-6)
+
+
+def test_logit_bias_allowed_ids_and_bad_ids_shape_the_draw_but_not_the_raw_logprobs():
+    logits = np.repeat(LOGITS, 4, axis=0)
+    sb = _batch(
+        4,
+        bias_ids=[[5, -1, -1], [-1, -1, -1], [-1, -1, -1], [1, -1, -1]],
+        bias_values=[[10.0, 0, 0], [0, 0, 0], [0, 0, 0], [-3.0, 0, 0]],
+        allowed_ids=[[-1, -1, -1], [6, 7, -1], [-1, -1, -1], [-1, -1, -1]],
+        bad_ids=[[-1, -1], [-1, -1], [1, 2], [-1, -1]],
+    )
+    out = sample_tokens(logits, sb, num_logprobs=2)
+    # greedy rows: +10 lifts token 5 above all; only 6 and 7 allowed (6 and 7 tie: argmax takes the
+    # first); 1 and 2 banned leaves 3; token 1 lowered by 3 (0.4 * e^-3 < 0.3) leaves 2
+    np.testing.assert_array_equal(out.tokens, [5, 6, 3, 2])
+    expected = np.log(np.array([0.04, 0.03, 0.1, 0.3]))  # logprobs stay the model's
+    np.testing.assert_allclose(out.logprob, expected, rtol=1e-5)
+    sb = _batch(200, temperature=np.ones(200), allowed_ids=np.tile([3, 4, -1], (200, 1)))
+    drawn = np.asarray(sample_tokens(np.repeat(LOGITS, 200, axis=0), sb, num_logprobs=2).tokens)
+    assert set(drawn) == {3, 4}  # both drawn, nothing else

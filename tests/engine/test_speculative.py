@@ -39,7 +39,7 @@ def _run(llm: LLM, stop_id: int) -> list[tuple[list[int], str]]:
     """Two rounds of the same prompts (the second hits the prefix cache)."""
     out = []
     for _ in range(2):
-        out += [(o.token_ids, o.finish_reason) for o in llm.generate(_prompts(), _params(stop_id), use_tqdm=False)]
+        out += [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(_prompts(), _params(stop_id), use_tqdm=False)]
     return out
 
 
@@ -70,15 +70,14 @@ def _poison_unread_slots(llm: LLM) -> None:
     engine.scheduler.update = poisoned
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [a if a == "bamba" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS])
 def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_path, arch):
     """Without speculation: the same engine given no drafts (its steps are then plain decode
     and prefill steps; the seeded test below compares with an engine built without it)."""
     save_tiny_model(arch, tmp_path)
     llm = LLM(tmp_path, speculative_config=NGRAM, **ARGS)
     llm.engine.draft = lambda seq, limit: []
-    first = llm.generate(_prompts()[2:3], _params(0)[0], use_tqdm=False)[0].token_ids
+    first = llm.generate(_prompts()[2:3], _params(0)[0], use_tqdm=False)[0].outputs[0].token_ids
     stop_id = first[5]  # a token the third prompt's output reaches
     want = _run(llm, stop_id)
     continuation = {tuple(p): o for p, (o, _) in zip(_prompts(), want)}
@@ -112,12 +111,19 @@ def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_p
 
 @pytest.fixture(scope="module")
 def bamba_spec(tiny_models) -> LLM:
-    """Warmed up: every verify shape is compiled before the tests run (each checks that
-    nothing compiles after)."""
-    llm = LLM(tiny_models["bamba"][0], speculative_config=NGRAM, **{**ARGS, "warm_up": True},
-              background_compile=False)
+    return LLM(tiny_models["bamba"][0], speculative_config=NGRAM, **ARGS)
+
+
+@pytest.mark.slow
+def test_no_step_compiles_after_warm_up_while_speculating(tiny_models):
+    """Warm-up compiles every verify shape: a workload of mixed prefill and verify steps,
+    prefix hits and a long repeated prompt then compiles nothing."""
+    llm = LLM(tiny_models["bamba"][0], speculative_config=NGRAM, **{**ARGS, "warm_up": True}, background_compile=False)
     compiled = llm.engine.runner.num_compiled_steps()
-    yield llm
+    _run(llm, stop_id=7)
+    prompt = random_prompt(300, 7)
+    llm.generate([prompt, prompt[:150]], SamplingParams(max_tokens=8, temperature=0.7, seed=1), use_tqdm=False)
+    assert llm.stats()["spec_draft_tokens"] > 0
     assert llm.engine.runner.num_compiled_steps() == compiled, "a step compiled after warm-up"
 
 
@@ -128,11 +134,11 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(tiny
     params = [SamplingParams(max_tokens=12, temperature=t, seed=s, top_k=k, top_p=p, ignore_eos=True)
               for t, s, k, p in ((0.8, 1, 0, 1.0), (0.8, 2, 20, 1.0), (0.8, 3, 0, 0.7), (0.0, 4, 0, 1.0))]
     prompts = _prompts()[:4]
-    want = [o.token_ids for o in LLM(tiny_models["bamba"][0], **ARGS).generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in LLM(tiny_models["bamba"][0], **ARGS).generate(prompts, params, use_tqdm=False)]
     continuation = {tuple(p): o for p, o in zip(prompts, want)}
     bamba_spec.engine.draft = _oracle(continuation, wrong=False)  # right after the first token
     try:
-        assert [o.token_ids for o in bamba_spec.generate(prompts, params, use_tqdm=False)] == want
+        assert [o.outputs[0].token_ids for o in bamba_spec.generate(prompts, params, use_tqdm=False)] == want
     finally:
         bamba_spec.engine.draft = bamba_spec.engine._ngram_draft
     assert bamba_spec.stats()["spec_accepted_tokens"] > 0
@@ -142,7 +148,7 @@ def test_a_repeated_prompt_hits_under_speculation_on_the_first_repeat(bamba_spec
     prompt = random_prompt(300, 7)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     first, second = (bamba_spec.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
-    assert second.num_cached_tokens >= 272 and second.token_ids == first.token_ids
+    assert second.num_cached_tokens >= 272 and second.outputs[0].token_ids == first.outputs[0].token_ids
 
 
 def test_accepted_tokens_follow_the_target_distribution():

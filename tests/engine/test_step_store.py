@@ -18,7 +18,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def _tokens(llm: LLM) -> list[int]:
-    return llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].token_ids
+    return llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
 def _count_compiles(monkeypatch, *, fail: bool = False) -> dict:
@@ -69,7 +69,7 @@ real = jax.stages.Lowered.compile
 jax.stages.Lowered.compile = lambda self, *a, **k: compiles.append(1) or real(self, *a, **k)
 llm = LLM(sys.argv[1], **eval(sys.argv[2]))
 out = llm.generate([eval(sys.argv[3])], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
-print(len(compiles), out[0].token_ids)
+print(len(compiles), out[0].outputs[0].token_ids)
 """
 
 
@@ -80,6 +80,7 @@ def _fresh_process(model, args: dict) -> tuple[int, list[int]]:
     return int(compiles), eval(tokens)
 
 
+@pytest.mark.slow
 def test_a_fresh_process_loads_the_store_and_compiles_a_damaged_file_again(tiny_models, tmp_path):
     model = tiny_models["bamba"][0]
     args = {**ARGS, "compilation_cache_dir": str(tmp_path)}

@@ -1,7 +1,6 @@
 """The embedded default model: jaxengine's per-token loss equals transformers' on held-out text."""
 
 import numpy as np
-import pytest
 import torch
 from transformers import AutoTokenizer, BambaForCausalLM
 
@@ -17,7 +16,6 @@ def _token_losses(logits: np.ndarray, ids: list[int]) -> np.ndarray:
     return log_z - shifted[np.arange(len(ids) - 1), ids[1:]]
 
 
-@pytest.mark.slow
 def test_heldout_per_token_loss_matches_transformers():
     text = (DEFAULT_MODEL / "heldout_sample.txt").read_text()
     ids = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL)).encode(text)

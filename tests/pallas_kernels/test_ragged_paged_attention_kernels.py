@@ -209,7 +209,7 @@ def with_examples(test):
 
 
 @pytest.mark.parametrize("kernel_name", sorted(KERNELS))
-@settings(max_examples=6, deadline=None, database=None, derandomize=True)
+@settings(max_examples=4, deadline=None, database=None, derandomize=True)
 @with_examples
 @given(case=cases())
 def test_kernel_matches_reference(kernel_name, case):

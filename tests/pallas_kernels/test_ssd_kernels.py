@@ -171,7 +171,7 @@ def mixed_example(cs: int):
 @example(([1] * NUM_SEQS, [0, 15, 16, 33], 4, jnp.bfloat16, 1))  # decode only
 @example(([40, 17, 16, 2], [0, 16, 5, 31], 2, jnp.bfloat16, 2))  # prefill only
 @example(([0] * NUM_SEQS, [3, 0, 16, 9], 1, jnp.float32, 3))  # no tokens at all
-@settings(max_examples=6, deadline=None, database=None)
+@settings(max_examples=4, deadline=None, database=None)
 def test_tpu_kernel_matches_reference(case):
     check_against_reference(TPU, *case)
 
@@ -182,7 +182,7 @@ def test_tpu_kernel_matches_reference(case):
 @example(([30, 98, 0, 0], [0, 30, 0, 0], 1, jnp.float32, 3))  # a shared y tile, then 128 real tokens
 @example(([1] * NUM_SEQS, [0, 63, 64, 200], 2, jnp.bfloat16, 4))  # decode only
 @example(([0] * NUM_SEQS, [3, 0, 64, 9], 2, jnp.float32, 5))  # no tokens at all
-@settings(max_examples=5, deadline=None, database=None)
+@settings(max_examples=4, deadline=None, database=None)
 def test_gpu_kernel_matches_reference(case):
     check_against_reference(GPU, *case)
 

@@ -239,7 +239,7 @@ def test_state_update_matches_scan_on_single_tokens(num_groups):
     assert_close(new_state, scan.final_states)
 
 
-@settings(max_examples=8, deadline=None)  # each example compiles anew
+@settings(max_examples=5, deadline=None)  # each example compiles anew
 @given(
     lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4),
     starts=st.lists(st.integers(0, 40), min_size=4, max_size=4),
