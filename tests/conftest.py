@@ -1,5 +1,7 @@
 """Shared test setup: keep transformers quiet, and each test's compile settings its own."""
 
+import os
+import tempfile
 import warnings
 
 import jax
@@ -8,6 +10,9 @@ from jax.experimental.compilation_cache import compilation_cache
 from transformers import logging as hf_logging
 
 hf_logging.set_verbosity_error()
+# Engines built with the default compilation_cache_dir (~/.cache/jaxengine/xla) store their
+# steps under a home of this run's own: a test never loads steps another run stored.
+os.environ["HOME"] = tempfile.mkdtemp(prefix="jaxengine-tests-home-")
 warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
 
 
