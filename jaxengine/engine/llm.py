@@ -56,6 +56,10 @@ class LLM:
         check_engine_keys(sorted(engine_args))
         self.engine = LLMEngine(model, EngineConfig(**engine_args))
         self.tokenizer = self.engine.tokenizer
+        path = self.engine.model_dir / "generation_config.json"
+        generation = json.loads(path.read_text()) if path.is_file() else {}
+        self._sampling_defaults = {ours: generation[theirs] for theirs, ours in GENERATION_DEFAULTS.items()
+                                   if generation.get(theirs) is not None}
         self.max_model_len = self.engine.max_model_len
         self._lock = threading.RLock()
         self._stepping = False  # a step is running (under the lock)
@@ -78,10 +82,7 @@ class LLM:
         """What `generate` uses when given no sampling params: the model's
         generation_config.json settings that vLLM reads (temperature, top_p, top_k, min_p,
         repetition_penalty, max_new_tokens as max_tokens), else vLLM's defaults."""
-        path = self.engine.model_dir / "generation_config.json"
-        raw = json.loads(path.read_text()) if path.is_file() else {}
-        return SamplingParams(**{ours: raw[theirs] for theirs, ours in GENERATION_DEFAULTS.items()
-                                 if raw.get(theirs) is not None})
+        return SamplingParams(**self._sampling_defaults)
 
     def _submit(self, prompts, sampling_params, texts: list[str] | None = None) -> list[list[EngineSequence]]:
         """Validates every request first, so a bad one rejects the call before any work.

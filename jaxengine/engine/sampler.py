@@ -83,6 +83,14 @@ class PromptLogprobs:
     top_ids: jax.Array  # [T, K] int32
 
 
+def _top_and_rank(logprobs: jax.Array, chosen: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For rows `logprobs` [R, V] and a chosen log-probability per row [R]: its rank (1 = most
+    likely) [R], and the k largest log-probabilities [R, k] with their token ids [R, k]."""
+    values, ids = jax.lax.top_k(logprobs, k)
+    rank = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1)
+    return rank.astype(jnp.int32), values, ids.astype(jnp.int32)
+
+
 def prompt_logprobs(head: Callable[[jax.Array], jax.Array], h: jax.Array, next_ids: jax.Array,
                     num_logprobs: int) -> PromptLogprobs:
     """`PromptLogprobs` from every token's final hidden state `h` [T, D]. The LM head runs on
@@ -91,9 +99,7 @@ def prompt_logprobs(head: Callable[[jax.Array], jax.Array], h: jax.Array, next_i
     def asked(h: jax.Array) -> PromptLogprobs:
         logprobs = jax.nn.log_softmax(head(h), axis=-1)  # [T, V]
         chosen = jnp.take_along_axis(logprobs, jnp.maximum(next_ids, 0)[:, None], axis=-1)[:, 0]
-        values, ids = jax.lax.top_k(logprobs, num_logprobs)
-        rank = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1)
-        return PromptLogprobs(chosen, rank.astype(jnp.int32), values, ids.astype(jnp.int32))
+        return PromptLogprobs(chosen, *_top_and_rank(logprobs, chosen, num_logprobs))
 
     def none(h: jax.Array) -> PromptLogprobs:
         t = h.shape[0]
@@ -190,9 +196,8 @@ def sample_tokens(logits: jax.Array, seq_sb: SamplingBatch, num_logprobs: int) -
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
 
     def top(logprobs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        values, ids = jax.lax.top_k(logprobs, num_logprobs)
-        rank = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1)
-        return values, ids.astype(jnp.int32), rank.astype(jnp.int32)
+        rank, values, ids = _top_and_rank(logprobs, chosen, num_logprobs)
+        return values, ids, rank
 
     def none(logprobs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         rows = logprobs.shape[0]
