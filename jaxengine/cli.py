@@ -37,11 +37,12 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
+    from jaxengine.models.config import load_model_config
     from jaxengine.models.loader import load_model, save_params
 
     src, out = Path(args.hf_dir), Path(args.out_dir)
     start = time.perf_counter()
-    _, _, state = load_model(src, args.dtype)
+    _, _, state = load_model(src, args.dtype, mtp=bool(load_model_config(src).mtp_layers))  # the MTP module too
     out.mkdir(parents=True, exist_ok=True)
     for name in MODEL_FILES:
         if (src / name).is_file():
@@ -58,7 +59,6 @@ def _show_engine_log() -> None:
         handler.setFormatter(logging.Formatter("jaxengine: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-        logger.propagate = False
 
 
 def main(argv: list[str] | None = None) -> None:

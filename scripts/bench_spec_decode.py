@@ -1,4 +1,4 @@
-"""Output tokens/s with and without speculative decoding, side by side in one process.
+"""Output tokens/s with and without speculative decoding, side by side.
 
 The engine runs the embedded default model (a Bamba hybrid; `--model DIR` for another) on the
 Python snippets of `configs/prompts/python_starts.jsonl`, once without speculation and once
@@ -7,6 +7,8 @@ with each `--methods` configuration, at each batch size, greedy and at temperatu
 timed run gets fresh prompts (a snippet behind a unique comment line), so no run is served from
 an earlier one's prefix cache; runs alternate between the engines and the median of
 `--repeats` is kept. All engines are warmed up (every step shape compiled) before timing.
+Each speculative configuration runs in a process of its own beside a plain engine (XLA:CPU
+holds every compiled step of a process in memory: three warmed-up engines did not fit).
 Engine settings are the defaults but for `max_num_seqs` (the largest batch; 16 is also the
 default) and, when given, `--max-model-len`.
 
@@ -26,6 +28,9 @@ import datetime
 import json
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +46,10 @@ METHODS = {
     "ngram-k5": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4},
     "ngram-k3": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2},
     "ngram-k5-always": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "adaptive": False},
+    # The model's own MTP module (the default model has one, `scripts/train_default_mtp.py`).
+    "mtp-k2": {"method": "mtp", "num_speculative_tokens": 2},
+    "mtp-k3": {"method": "mtp", "num_speculative_tokens": 3},
+    "mtp-k2-always": {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False},
 }
 SAMPLING = {"greedy": dict(temperature=0.0), "t0.7": dict(temperature=0.7, top_p=0.95)}
 
@@ -77,6 +86,8 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
 
 def main() -> None:
     args = parse_args()
+    if len(args.methods) > 1:
+        return run_each_method_alone(args)
     # No stored steps: on XLA:CPU, steps loaded from files fail once the process compiles
     # others, and the engines here compile different shapes.
     engine_args = dict(max_num_seqs=max(args.batch_sizes), max_model_len=args.max_model_len, background_compile=False,
@@ -112,6 +123,25 @@ def main() -> None:
                   cpus=jax.local_device_count(), jax=jax.__version__, model=str(args.model),
                   max_tokens=args.max_tokens, repeats=args.repeats, max_model_len=args.max_model_len, methods={m: METHODS[m] for m in specs}, rows=rows)
     args.json.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.json}")
+
+
+def run_each_method_alone(args: argparse.Namespace) -> None:
+    """Runs this script once per method, each in its own process, and merges their reports."""
+    reports = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.methods:
+            out = Path(tmp) / f"{name}.json"
+            command = [sys.executable, __file__, "--model", str(args.model), "--methods", name, "--batch-sizes",
+                       *map(str, args.batch_sizes), "--max-tokens", str(args.max_tokens), "--repeats",
+                       str(args.repeats), "--json", str(out)]
+            if args.max_model_len is not None:
+                command += ["--max-model-len", str(args.max_model_len)]
+            subprocess.run(command, check=True)
+            reports.append(json.loads(out.read_text()))
+    merged = {**reports[0], "methods": {m: METHODS[m] for m in args.methods},
+              "rows": [row for report in reports for row in report["rows"]]}
+    args.json.write_text(json.dumps(merged, indent=2))
     print(f"wrote {args.json}")
 
 

@@ -36,6 +36,12 @@ What it measures:
      shapes, so the timed runs compile nothing (checked), and every run gets fresh
      prompts (no prefix-cache hits). Decode steps use the kernels for attention only
      (the one-token SSD update is always the reference); prefill uses both kernels.
+  4. Verify steps (speculative decoding): the same model with kernels="auto" and
+     `speculative_config` ngram k = 3 drafting at every step, decoding the 64 x 32-token
+     batch on prompts that repeat an 8-token pattern, with drafts (verify steps) and
+     without (plain decode steps), alternating; output tokens/s of each, acceptance, and
+     the share of requests whose greedy tokens differ between the two (at most 25%, as
+     for the first tokens: bf16 rounding of a k + 1-token step may flip near-ties).
 
 Tolerances: attention (bf16) 2^-6 * max|v|, v uniform in [-1, 1] (each side rounds the
 probabilities and the output to bf16; see tests/pallas_kernels); queries are scaled so the
@@ -713,6 +719,64 @@ def run_engine(model_dir: Path, kernels: str, spec: EngineSpec) -> EngineRun:
     )
 
 
+# Speculative decoding's verify steps: ngram drafts (host-side, so the row times the verify
+# steps themselves) on prompts that repeat a pattern, drafting at every step.
+VERIFY_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+                 "adaptive": False}
+
+
+def periodic_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Prompts repeating a random 8-token pattern, so that prompt lookup finds drafts."""
+    patterns = np.random.default_rng(seed).integers(1, vocab, (count, 8))
+    return np.tile(patterns, (1, -(-length // 8)))[:, :length].tolist()
+
+
+def verify_row(model_dir: Path, kernels: str, spec: EngineSpec) -> Row:
+    """One engine, its decode runs with drafts (verify steps) and without (plain decode
+    steps), alternating on fresh prompts: output tokens/s of each, and the share of requests
+    whose greedy tokens differ between the two on the same prompts (the second run of those
+    hits the prefix cache)."""
+    from jaxengine import LLM, SamplingParams  # after JAX's GPU start-up (see build_random_bamba)
+
+    llm = LLM(model_dir, dtype="bfloat16", kernels=kernels, max_model_len=spec.max_model_len,
+              max_num_seqs=spec.decode_batch, max_num_batched_tokens=spec.step_tokens, warm_up=False,
+              compilation_cache_dir=None, speculative_config=VERIFY_CONFIG)
+    engine = llm.engine
+    ngram = engine.draft
+    params = SamplingParams(max_tokens=spec.decode_tokens, temperature=0.0, ignore_eos=True)
+    vocab = spec.bamba["vocab_size"]
+
+    def run(drafts: bool, seed: int) -> tuple[float, list[list[int]]]:
+        engine.draft = ngram if drafts else (lambda seq, limit: [])
+        prompts = periodic_prompts(spec.decode_batch, spec.decode_prompt_len, vocab, seed)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
+
+    plain_tokens, spec_tokens = run(False, SEED)[1], run(True, SEED)[1]  # also compiles both kinds of step
+    compiled = engine.runner.num_compiled_steps()
+    before = llm.stats()
+    walls: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(spec.repeats):
+        for drafts in (False, True):
+            walls[drafts].append(run(drafts, SEED + 300 + i)[0])
+    after = llm.stats()
+    drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    verifies = after["spec_verifies"] - before["spec_verifies"]
+    mismatch = sum(a != b for a, b in zip(plain_tokens, spec_tokens)) / len(plain_tokens)
+    rate = spec.decode_batch * spec.decode_tokens
+    speeds = {d: rate / statistics.median(w) for d, w in walls.items()}
+    length = 1 + accepted / verifies if verifies else 1.0
+    return Row(
+        "engine", f"engine verify b{spec.decode_batch}", "pass" if mismatch <= FIRST_TOKEN_TOL and verifies else "fail",
+        error=mismatch, tol=FIRST_TOKEN_TOL, kernel=speeds[True], reference=speeds[False], unit="tok/s",
+        note=f"k=3 ngram, acceptance {accepted / drafted if drafted else 0:.2f}, mean accepted length {length:.2f}",
+        details={"config": VERIFY_CONFIG, "kernels": kernels, "verifies": verifies, "drafted": drafted,
+                 "accepted": accepted, "recompiles": engine.runner.num_compiled_steps() - compiled},
+    )
+
+
 def decode_floor_tokens_per_s(spec: EngineSpec, sizes: ModelSizes, roofline: Roofline) -> float:
     """Batch / the time to move what a decode step must: every weight but the input
     embedding, each sequence's float32 SSM states (read and written) and its keys and values."""
@@ -799,8 +863,10 @@ def engine_report(
 
 def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, interpret: bool) -> list[Row]:
     spec = plan.engine
+    verify = f"engine verify b{spec.decode_batch}"
     if not deadline.allows(plan.engine_build_s + plan.engine_mode_s):
-        return engine_report(spec, ModelSizes(0, 0, 0, 0), {"auto": SKIPPED, "reference": SKIPPED}, roofline)
+        skipped = engine_report(spec, ModelSizes(0, 0, 0, 0), {"auto": SKIPPED, "reference": SKIPPED}, roofline)
+        return [*skipped, Row("engine", verify, SKIPPED)]
     modes = {"auto": "pallas-interpret-gpu" if interpret else "auto", "reference": "reference"}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
@@ -819,7 +885,12 @@ def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, inter
             gc.collect()  # frees the model and pools before the next mode
             status = runs[label] if isinstance(runs[label], str) else "done"
             log(deadline, f"engine kernels={kernels}: {status}")
-    return engine_report(spec, sizes, runs, roofline)
+        rows = engine_report(spec, sizes, runs, roofline)
+        if deadline.allows(plan.engine_mode_s):
+            rows += guarded("engine", verify, verify_row, model_dir, modes["auto"], spec)
+        else:
+            rows.append(Row("engine", verify, SKIPPED))
+    return rows
 
 
 # ---------------------------------------------------------------------------- report

@@ -160,11 +160,14 @@ class BatchBuilder:
         """An all-padding batch of `shape` (used for warm-up): touches only the null sinks."""
         return self.build(ScheduledStep([], []), shape)
 
-    def build(self, step: ScheduledStep, shape: Shape | None = None) -> tuple[StepBatch, SamplingBatch]:
+    def build(self, step: ScheduledStep, shape: Shape | None = None, *, drafting: bool = False
+              ) -> tuple[StepBatch, SamplingBatch]:
+        """The step's arrays; `drafting`: its sequences may verify drafts in the next step."""
         shape = shape or self.shape_of(step)
         t_size, s_size = shape.num_tokens, shape.num_seqs
         ids = np.zeros(t_size, np.int32)
         next_ids = np.full(t_size, -1, np.int32)
+        following_ids = np.full(t_size, -1, np.int32)
         cu = np.full(s_size + 1, step.total_tokens, np.int32)
         kv_lens = np.zeros(s_size, np.int32)
         page_table = np.zeros((s_size, self.pages_per_seq), np.int32)
@@ -187,6 +190,7 @@ class BatchBuilder:
         banned = np.full((s_size, MAX_STOP_TOKEN_IDS), -1, np.int32)
         min_tokens = np.zeros(s_size, np.int32)
         wants_logprobs = np.zeros(s_size, bool)
+        wants_drafts = np.zeros(s_size, bool)
         bias_ids = np.full((s_size, MAX_LOGIT_BIAS), -1, np.int32)
         bias_values = np.zeros((s_size, MAX_LOGIT_BIAS), f32)
         allowed_ids = np.full((s_size, MAX_ALLOWED_TOKEN_IDS), -1, np.int32)
@@ -207,6 +211,8 @@ class BatchBuilder:
             if seq.params.prompt_logprobs is not None:  # each prompt token's log-probability, from the one before
                 asked = range(start, min(start + n, seq.num_prompt_tokens - 1))
                 next_ids[offset : offset + len(asked)] = tokens[start + 1 : start + 1 + len(asked)]
+            known = seq.tokens[start + 1 : start + n + 1]  # not the drafts: their sample rows say what follows
+            following_ids[offset : offset + len(known)] = known
             cu[i] = offset
             sample_rows[i] = offset + np.maximum(np.arange(n - width, n), 0)
             offset += n
@@ -234,6 +240,7 @@ class BatchBuilder:
             prompt_lens[i] = seq.num_prompt_tokens
             min_tokens[i] = p.min_tokens
             wants_logprobs[i] = p.logprobs is not None
+            wants_drafts[i] = drafting and not seq.bad_word_ids
             if seq.num_output_tokens < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 banned[i, : len(stops)] = stops[:MAX_STOP_TOKEN_IDS]
@@ -265,5 +272,6 @@ class BatchBuilder:
             history_lens=history_lens, prompt_lens=prompt_lens, banned=banned, min_tokens=min_tokens,
             wants_logprobs=wants_logprobs, bias_ids=bias_ids, bias_values=bias_values, allowed_ids=allowed_ids,
             bad_ids=bad_ids, sample_rows=sample_rows, num_drafts=num_drafts, next_ids=next_ids,
+            following_ids=following_ids, wants_drafts=wants_drafts,
         )
         return batch, sampling

@@ -144,11 +144,11 @@ class EngineConfig:
         return checkpoint_policy.SPARSE, "the model has no recurrent layers, so there are no checkpoints"
 
     def block_bytes(self, model: ModelConfig) -> int:
-        """Bytes of one cache block: one KV page of every attention layer (for a model
-        without attention layers, one recurrent layer's checkpoint state)."""
+        """Bytes of one cache block: one KV page of every attention layer and MTP layer (for
+        a model without attention layers, one recurrent layer's checkpoint state)."""
         if model.num_attention_layers:
             a = model.attention
-            return 2 * self.page_size * a.num_kv_heads * a.head_dim * self.dtype_bytes * model.num_attention_layers
+            return 2 * self.page_size * a.num_kv_heads * a.head_dim * self.dtype_bytes * model.num_kv_layers
         return recurrent_block_elems(model, self.dtype) * self.dtype_bytes
 
     def resolved_num_cache_blocks(self, model: ModelConfig, blocks_per_checkpoint: int) -> int:

@@ -56,7 +56,12 @@ class LLMEngine:
         if config.dtype == "float16" and load_model_config(self.model_dir).num_recurrent_layers:
             raise ValueError("engine argument dtype='float16' is not supported for models with recurrent layers "
                              "(their float32 states would not fit float16 checkpoints); use bfloat16 or float32")
-        self.model_config, graphdef, params = load_model(self.model_dir, config.dtype, config.kernels)
+        self.speculative = config.speculative()
+        self.uses_mtp = uses_mtp = self.speculative is not None and self.speculative.method == "mtp"
+        if uses_mtp and not load_model_config(self.model_dir).mtp_layers:
+            raise ValueError(f"engine argument speculative_config.method='mtp': {self.model_dir / 'config.json'} "
+                             f"declares no MTP module (mtp_num_hidden_layers)")
+        self.model_config, graphdef, params = load_model(self.model_dir, config.dtype, config.kernels, mtp=uses_mtp)
         self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_dir)
         cfg = self.model_config
         self.max_model_len = config.resolved_max_model_len(cfg)
@@ -83,13 +88,13 @@ class LLMEngine:
             value=self._costs(cfg, params, blocks_per_checkpoint).value_fn(),
             enabled=caching,
         )
-        self.speculative = config.speculative()
         k = self.speculative.num_speculative_tokens if self.speculative else 0
         self.spec_stats = SpecStats(k) if self.speculative else None
         # Whether this step drafts: always, or with `adaptive` (the default) while it pays.
         self.gate = SpeculationGate() if self.speculative and self.speculative.adaptive else None
         self.drafting = self.speculative is not None
-        self.draft: Callable[[Sequence, int], list[int]] = self._ngram_draft  # (sequence, at most) -> drafts
+        # (sequence, at most) -> drafts
+        self.draft: Callable[[Sequence, int], list[int]] = (lambda seq, limit: seq.mtp_drafts) if uses_mtp else self._ngram_draft
         slots = LiveSlots(config.resolved_num_ssm_slots()) if cfg.num_recurrent_layers else None
         if slots is not None and slots.num_live < 2 + k:
             raise ValueError(f"engine argument num_ssm_slots={slots.num_live} is below the {2 + k} slots one sequence "
@@ -100,6 +105,7 @@ class LLMEngine:
             page_size=config.page_size,
             num_slots=slots.num_slots if slots else 2,
             num_logprobs=config.max_logprobs,
+            num_mtp_drafts=k if uses_mtp else 0,
             store=StepStore(cache_dir),
             kernels=config.kernels,
         )
@@ -342,6 +348,13 @@ class LLMEngine:
         self.spec_stats.draft_seconds += time.perf_counter() - start
         return drafts
 
+    def _may_draft_next(self, num_seqs: int) -> bool:
+        """Whether the next step may verify drafts (the MTP module then drafts in this one;
+        not in a step the gate runs plain to time it)."""
+        if self.gate is None:
+            return self.drafting
+        return not self.gate.retiming and self.gate.may_open_next(num_seqs)
+
     def _ngram_draft(self, seq: Sequence, limit: int) -> list[int]:
         spec = self.speculative
         return ngram_proposal(seq.tokens, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -354,7 +367,8 @@ class LLMEngine:
             raise RuntimeError("nothing could be scheduled although requests are pending")
         self._note_pool_use()
         shape = self._shape_for(scheduled)
-        batch, sampling = self.builder.build(scheduled, shape)
+        drafting_next = self.uses_mtp and self._may_draft_next(shape.num_seqs)  # the MTP module drafts in this step
+        batch, sampling = self.builder.build(scheduled, shape, drafting=drafting_next)
         start = time.perf_counter()
         out = self.runner.sample(batch, sampling, decode=shape.decode)
         tokens = np.asarray(out.tokens)  # [S, W]: a sequence's sample rows are its last W tokens
@@ -366,6 +380,7 @@ class LLMEngine:
         want_logprobs = any(s.params.logprobs is not None for s in scheduled.seqs)
         if want_logprobs:
             chosen, top_lp, top_ids, ranks = (np.asarray(a) for a in (out.logprob, out.top_logprobs, out.top_ids, out.rank))
+        mtp_drafts = np.asarray(out.drafts) if drafting_next else None  # [S, k]: the MTP module's
         now = time.perf_counter()
         width = tokens.shape[1]
         updated, finished, kept = [], [], []
@@ -388,6 +403,8 @@ class LLMEngine:
                 if seq.finish_reason is not None:
                     break  # tokens past a stop are dropped
             kept[-1] = row - first_row  # drafts now computed; the last token appended is the pending one
+            if self.uses_mtp:
+                seq.mtp_drafts = mtp_drafts[i].tolist() if drafting_next else []
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self._release_followers(seq)
@@ -395,7 +412,7 @@ class LLMEngine:
                 finished.append(seq)
             updated.append(seq)
         if self.gate is not None and shape.decode:
-            if shape.sample_width == 1:
+            if shape.sample_width == 1 and not drafting_next:
                 self.gate.record_decode(shape.num_seqs, seconds)
             elif any(scheduled.drafts):
                 self.gate.record_verify(shape.num_seqs, seconds, 1 + sum(kept) / len(scheduled.seqs))

@@ -16,7 +16,7 @@ def store_layout(cfg: ModelConfig, page_size: int, dtype: jnp.dtype) -> Checkpoi
     states = recurrent_states(cfg)
     if cfg.num_attention_layers:
         a = cfg.attention
-        return checkpoint_layout(states, (page_size, a.num_kv_heads, a.head_dim), dtype, 2 * cfg.num_attention_layers)
+        return checkpoint_layout(states, (page_size, a.num_kv_heads, a.head_dim), dtype, 2 * cfg.num_kv_layers)
     return checkpoint_layout(states, (recurrent_block_elems(cfg, dtype),), dtype, 1)
 
 
@@ -39,7 +39,7 @@ def allocate_pools(
         return jax.device_put(jnp.zeros(shape, dt), replicated)
 
     k_pages, v_pages, checkpoints = [], [], []
-    for _ in range(cfg.num_attention_layers):
+    for _ in range(cfg.num_kv_layers):  # the attention layers, then the MTP layers
         a = cfg.attention
         shape = (num_blocks, page_size, a.num_kv_heads, a.head_dim)
         k_pages.append(zeros(shape, dtype))

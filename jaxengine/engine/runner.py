@@ -18,6 +18,8 @@ from jaxengine.engine.step_executables import StepExecutables
 from jaxengine.engine.step_store import StepStore
 from jaxengine.models.batch import Pools, StepBatch
 from jaxengine.models.config import ModelConfig
+from jaxengine.models.kernels import kernel_ops
+from jaxengine.models.mtp import mtp_drafts
 
 
 def _model_step(
@@ -39,13 +41,21 @@ def _sample_step(
     *,
     decode: bool,
     num_logprobs: int,
+    num_mtp_drafts: int,
 ) -> tuple[SampleOutput, Pools]:
     """One engine step: forward, then sample each sequence's sample rows on device (and the
-    prompt log-probabilities of the tokens `sampling.next_ids` asks for)."""
+    prompt log-probabilities of the tokens `sampling.next_ids` asks for); with an MTP module,
+    its drafts for the next step."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
     h, pools = model(pools, batch, decode=decode, hidden=True)  # [T, D]
     out = sample_tokens(model.head(h[sampling.sample_rows.reshape(-1)]), sampling, num_logprobs)
-    return dataclasses.replace(out, prompt=prompt_logprobs(model.head, h, sampling.next_ids, num_logprobs)), pools
+    out = dataclasses.replace(out, prompt=prompt_logprobs(model.head, h, sampling.next_ids, num_logprobs))
+    if model.mtp is not None:
+        drafts, pools = mtp_drafts(model, pools, batch, sampling.sample_rows, sampling.num_drafts,
+                                   sampling.following_ids, sampling.wants_drafts, h, out.tokens, num_mtp_drafts,
+                                   kernel_ops(model.kernels))
+        out = dataclasses.replace(out, drafts=drafts)
+    return out, pools
 
 
 def enable_compilation_cache(directory: str | Path) -> None:
@@ -69,6 +79,7 @@ class ModelRunner:
         page_size: int,
         num_slots: int,
         num_logprobs: int = 20,
+        num_mtp_drafts: int = 0,
         mesh: Mesh | None = None,
         store: StepStore | None = None,
         kernels: str = "auto",
@@ -79,6 +90,7 @@ class ModelRunner:
         self._baked = repr((cfg, kernels))
         self.page_size = page_size
         self.num_logprobs = num_logprobs
+        self.num_mtp_drafts = num_mtp_drafts  # drafts per sequence the MTP module makes each step (with one)
         self.mesh = mesh or Mesh(np.array(jax.devices()[:1]), ("model",))
         dtype = jax.tree.leaves(params)[0].dtype
         # The steps are jitted here with the model's structure bound, and take the parameters
@@ -91,7 +103,7 @@ class ModelRunner:
             functools.partial(_model_step, **bound), static_argnames=("decode", "all_logits"), donate_argnames=("pools",)
         )
         self.sample_step = jax.jit(
-            functools.partial(_sample_step, **bound), static_argnames=("decode", "num_logprobs"), donate_argnames=("pools",)
+            functools.partial(_sample_step, **bound), static_argnames=("decode", "num_logprobs", "num_mtp_drafts"), donate_argnames=("pools",)
         )
         self._allocate = functools.partial(
             allocate_pools, cfg, num_blocks=num_blocks, page_size=page_size, num_slots=num_slots, dtype=dtype,
@@ -136,10 +148,12 @@ class ModelRunner:
         return self.steps.get(batch, sampling, decode)
 
     def _lower(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Lowered:
-        return self.sample_step.lower(**self._step_args(batch, sampling), decode=decode, num_logprobs=self.num_logprobs)
+        return self.sample_step.lower(**self._step_args(batch, sampling), decode=decode, num_logprobs=self.num_logprobs,
+                                      num_mtp_drafts=self.num_mtp_drafts)
 
     def _file_key(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> str:
-        static = dict(decode=decode, num_logprobs=self.num_logprobs, model=self._baked)
+        static = dict(decode=decode, num_logprobs=self.num_logprobs, num_mtp_drafts=self.num_mtp_drafts,
+                      model=self._baked)
         return self.steps.store.key(static, *self._step_args(batch, sampling).values())
 
     def _step_args(self, batch: StepBatch, sampling: SamplingBatch) -> dict:

@@ -39,6 +39,8 @@ class SamplingBatch:
     sample_rows: jax.Array  # [S, W] int32: flat token index of each sample row (the last W tokens)
     num_drafts: jax.Array  # [S] int32: drafts among them (0: only the last row is used)
     next_ids: jax.Array  # [T] int32: per token, the prompt token after it whose log-probability is asked, or -1
+    following_ids: jax.Array  # [T] int32: per token, the token after it where the host knows it, else -1 (MTP's input)
+    wants_drafts: jax.Array  # [S] bool: the sequence may verify drafts next step (the MTP module drafts for it)
 
 
 @jax.tree_util.register_dataclass
@@ -69,6 +71,7 @@ class SampleOutput:
     top_ids: jax.Array  # [S, W, K] int32 (0 unless some row asked)
     rank: jax.Array  # [S, W] int32: the chosen token's rank in the raw distribution, 1 = most likely (0 unless asked)
     prompt: "PromptLogprobs | None" = None  # set by the engine step
+    drafts: jax.Array | None = None  # [S, k] int32: the MTP module's drafts after each sequence's last accepted token
 
 
 @jax.tree_util.register_dataclass

@@ -1,5 +1,6 @@
 """Speculative decoding: the `speculative_config` engine argument, the ngram proposer, the
-acceptance rule and the counters `stats()` reports.
+acceptance rule and the counters `stats()` reports. (The `mtp` method's drafts come from the
+model's own step: `models/mtp.py`.)
 
 A speculating sequence's step verifies its drafts: its pending token and its `d` draft tokens
 go through the target model as one segment of `1 + d` tokens, the step samples a token after
@@ -17,7 +18,7 @@ import dataclasses
 import numpy as np
 
 METHODS = ("ngram", "draft_model", "mtp")
-IMPLEMENTED = ("ngram",)
+IMPLEMENTED = ("ngram", "mtp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,27 +105,56 @@ class SpeculationGate:
     step (exponential averages of the steps run), and the mean tokens a verify step emits per
     sequence. A verify step pays when it emits more tokens per second than a decode step:
     emitted / t_verify >= 1 / t_decode. Until both times are known it measures them (a plain
-    step first, then verify steps); while speculation does not pay, every `probe_every`-th
-    step still verifies, so a change in acceptance or in the batch turns it back on."""
+    step first, then verify steps). Both estimates stay fresh: while speculation pays, every
+    `probe_every`-th step is a plain one (re-timing decode); while it does not, a probe still
+    verifies after `probe_every` steps off, so a change in acceptance or in the batch turns
+    it back on, and each probe that finds it still not paying doubles the wait, up to
+    `max_probe_every`."""
 
-    def __init__(self, probe_every: int = 16, smoothing: float = 0.2):
+    def __init__(self, probe_every: int = 16, smoothing: float = 0.2, max_probe_every: int = 128):
         self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
         self.smoothing = smoothing
         self.decode_seconds: dict[int, float] = {}
         self.verify_seconds: dict[int, float] = {}
         self.emitted_per_seq: float | None = None  # tokens a verify step emits per sequence (bonus included)
-        self.steps_off = 0
+        self.steps_on = 0  # steps since speculation last turned on
+        self.steps_off = 0  # steps since it last turned off or probed
+        self.wait = probe_every  # steps off before the next probe
+        self.retiming = False  # the last `open` said no to re-time a plain decode step
+
+    def pays(self, num_seqs: int) -> bool:
+        """Whether verify steps of `num_seqs` sequences pay, or are not timed yet."""
+        decode, verify = self.decode_seconds[num_seqs], self.verify_seconds.get(num_seqs)
+        return verify is None or self.emitted_per_seq * decode >= verify
 
     def open(self, num_seqs: int) -> bool:
         """Whether the next step of `num_seqs` (bucketed) sequences should draft."""
-        decode, verify = self.decode_seconds.get(num_seqs), self.verify_seconds.get(num_seqs)
-        if decode is None:
+        opened = self._decide(num_seqs, commit=True)
+        self.retiming = not opened and num_seqs in self.decode_seconds and self.pays(num_seqs)
+        return opened
+
+    def may_open_next(self, num_seqs: int) -> bool:
+        """What the next `open` of `num_seqs` will say, as far as known now (for drafts made a
+        step ahead, as the MTP module's: steps that do not draft are the decode steps timed)."""
+        return self._decide(num_seqs, commit=False)
+
+    def _decide(self, num_seqs: int, commit: bool) -> bool:
+        if num_seqs not in self.decode_seconds:
             return False
-        if verify is None or self.emitted_per_seq * decode >= verify:
-            self.steps_off = 0
-            return True
-        self.steps_off += 1
-        return self.steps_off % self.probe_every == 0
+        if self.pays(num_seqs):
+            on = self.steps_on + 1
+            if commit:
+                self.steps_on, self.steps_off, self.wait = on, 0, self.probe_every
+            return on % self.probe_every != 0
+        off = self.steps_off + 1
+        if off < self.wait:
+            if commit:
+                self.steps_off = off
+            return False
+        if commit:
+            self.steps_on, self.steps_off, self.wait = 0, 0, min(2 * self.wait, self.max_probe_every)
+        return True
 
     def record_decode(self, num_seqs: int, seconds: float) -> None:
         self.decode_seconds[num_seqs] = self._mean(self.decode_seconds.get(num_seqs), seconds)

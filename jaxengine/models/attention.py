@@ -37,9 +37,16 @@ class Attention(nnx.Module):
         layout: TokenLayout,
         ops: KernelOps,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, D], new k_pages, new v_pages
+        q, gate, k, v = self.project(x, layout.positions)
+        k_pages, v_pages = ops.write_kv_pages(k_pages, v_pages, k, v, layout.slot_mapping)
+        return self.attend(q, gate, k_pages, v_pages, batch, ops), k_pages, v_pages
+
+    def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
+        """x [T, D] at `positions` [T] -> rotated q [T, H, d], its gate (or None), rotated k and v [T, Hkv, d]."""
         cfg = self.cfg
         num_tokens = x.shape[0]
         q = self.q_proj(x).reshape(num_tokens, cfg.num_heads, -1)
+        gate = None
         if cfg.output_gate:
             q, gate = jnp.split(q, 2, axis=-1)  # [T, H, head_dim] each
         k = self.k_proj(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -47,12 +54,16 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.rotary_dim:
-            q = apply_rope(q, layout.positions, cfg.rotary_dim, cfg.rope_theta)
-            k = apply_rope(k, layout.positions, cfg.rotary_dim, cfg.rope_theta)
-        k_pages, v_pages = ops.write_kv_pages(k_pages, v_pages, k, v, layout.slot_mapping)
+            q = apply_rope(q, positions, cfg.rotary_dim, cfg.rope_theta)
+            k = apply_rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
+        return q, gate, k, v
+
+    def attend(self, q: jax.Array, gate: jax.Array | None, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch,
+               ops: KernelOps) -> jax.Array:
+        """Ragged paged attention of q over the pages (this step's K/V written), gated -> [T, D]."""
         out = ops.ragged_paged_attention(
-            q, k_pages, v_pages, batch.kv_lens, batch.page_table, batch.cu_q_lens, sm_scale=cfg.sm_scale
+            q, k_pages, v_pages, batch.kv_lens, batch.page_table, batch.cu_q_lens, sm_scale=self.cfg.sm_scale
         )
-        if cfg.output_gate:
+        if gate is not None:
             out = out * jax.nn.sigmoid(gate)
-        return self.o_proj(out.reshape(num_tokens, -1)), k_pages, v_pages
+        return self.o_proj(out.reshape(q.shape[0], -1))

@@ -159,10 +159,18 @@ class ModelConfig:
     norm_weight_offset: float = 0.0  # 1.0: zero-centred norm weights, scale by 1 + w (Qwen3-Next, Qwen3.5)
     max_position_embeddings: int = 4096
     eos_token_ids: tuple[int, ...] = ()
+    # The multi-token-prediction module's decoder layers (full attention; `mtp.py`), when the
+    # checkpoint has one and speculative decoding uses it; () otherwise.
+    mtp_layers: tuple[LayerSpec, ...] = ()
 
     @property
     def num_attention_layers(self) -> int:
         return sum(spec.mixer == "attention" for spec in self.layers)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with KV pages in the cache blocks: the attention layers, then the MTP layers."""
+        return self.num_attention_layers + len(self.mtp_layers)
 
     @property
     def num_recurrent_layers(self) -> int:
@@ -509,7 +517,25 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if architecture not in ARCHITECTURES:
         raise ValueError(f"{path}: unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}")
     hf = AutoConfig.from_pretrained(str(model_dir))
-    return ARCHITECTURES[architecture](hf)
+    cfg = ARCHITECTURES[architecture](hf)
+    return _with_mtp(cfg, getattr(hf, "text_config", None) or hf)
+
+
+def _with_mtp(cfg: ModelConfig, hf: PretrainedConfig) -> ModelConfig:
+    """Adds the MTP module's layers a config declares (`mtp_num_hidden_layers`, Qwen3-Next and
+    Qwen3.5; jaxengine reads the same field for its other attention models): full-attention
+    decoder layers of the model's own kind, with a MoE feed-forward where the model's
+    layers have one."""
+    n = getattr(hf, "mtp_num_hidden_layers", 0) or 0
+    if not n:
+        return cfg
+    if cfg.attention is None or cfg.architecture == "NemotronHForCausalLM":
+        _fail(cfg.architecture, "mtp_num_hidden_layers", n, "0 (jaxengine reads MTP modules of attention "
+              "models in the Qwen3-Next format)")
+    if n != 1:
+        _fail(cfg.architecture, "mtp_num_hidden_layers", n, "1")
+    ffn = "moe" if any(spec.ffn == "moe" for spec in cfg.layers) else "mlp"
+    return dataclasses.replace(cfg, mtp_layers=(LayerSpec("attention", ffn),))
 
 
 def checkpoint_dtype(model_dir: str | Path) -> str:

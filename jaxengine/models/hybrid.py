@@ -12,38 +12,13 @@ from flax import nnx
 
 from jaxengine.models.batch import Pools, StepBatch, TokenLayout, token_layout
 from jaxengine.models.checkpoint_store import checkpoint_layout
-from jaxengine.models.config import LayerSpec, ModelConfig
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.decoder_layer import DecoderLayer, add_residual, norm_settings
 from jaxengine.models.kernels import KernelOps, kernel_ops
-from jaxengine.models.layers import Mlp, Moe, RMSNorm, linear
+from jaxengine.models.layers import RMSNorm, linear
 from jaxengine.models.mixer_state import initial_states, written_pools
-from jaxengine.models.mixers import MIXERS, recurrent_states
-
-
-def norm_settings(cfg: ModelConfig, dtype: jnp.dtype) -> dict:
-    """The keyword arguments of the model's residual-stream RMS norms."""
-    return dict(eps=cfg.rms_norm_eps, dtype=dtype, weight_in_fp32=cfg.norm_weight_in_fp32,
-                weight_offset=cfg.norm_weight_offset)
-
-
-class DecoderLayer(nnx.Module):
-    """`x + r * mixer(norm(x))`, then `x + r * ffn(norm(x))`, each branch when present.
-
-    The mixer is the attribute named after its type ("attention", "mamba", ...)."""
-
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.spec = spec
-        norm = norm_settings(cfg, dtype)
-        if spec.mixer is not None:
-            self.mixer_norm = RMSNorm(cfg.hidden_size, **norm)
-            kind = MIXERS[spec.mixer]
-            mixer = kind.module(cfg.hidden_size, kind.config(cfg), cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
-            setattr(self, spec.mixer, mixer)
-        if spec.ffn is not None:
-            self.ffn_norm = RMSNorm(cfg.hidden_size, **norm)
-        if spec.ffn == "mlp":
-            self.mlp = Mlp(cfg.hidden_size, cfg.mlp, dtype=dtype, rngs=rngs)
-        elif spec.ffn == "moe":
-            self.moe = Moe(cfg.hidden_size, cfg.moe, dtype=dtype, rngs=rngs)
+from jaxengine.models.mixers import recurrent_states
+from jaxengine.models.mtp import Mtp
 
 
 class HybridLM(nnx.Module):
@@ -57,6 +32,7 @@ class HybridLM(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, **norm_settings(cfg, dtype))
         if not cfg.tie_word_embeddings:
             self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+        self.mtp = Mtp(cfg, dtype=dtype, rngs=rngs) if cfg.mtp_layers else None
 
     def __call__(
         self, pools: Pools, batch: StepBatch, *, decode: bool = False, all_logits: bool = False,
@@ -72,8 +48,8 @@ class HybridLM(nnx.Module):
         ops: KernelOps = kernel_ops(self.kernels)
         page_size = pools.k_pages[0].shape[1] if pools.k_pages else 1  # without attention: unused
         layout: TokenLayout = token_layout(batch, page_size)
-        # The cache blocks: KV pages of attention layer l are store[2l] and store[2l + 1];
-        # checkpoints lie across all of them (`checkpoint_store.py`).
+        # The cache blocks: KV pages of attention layer l are store[2l] and store[2l + 1] (the
+        # MTP layers' follow, `mtp.py`); checkpoints lie across all of them (`checkpoint_store.py`).
         store = pools.store_arrays()
         ckpts = None
         if store:
@@ -88,9 +64,7 @@ class HybridLM(nnx.Module):
         # step's draft positions (for their live slots).
         num_saves = batch.save_seq.shape[0]
 
-        h = self.embed[...][batch.input_ids]
-        if cfg.embedding_multiplier != 1.0:
-            h = h * cfg.embedding_multiplier
+        h = self.embedding(batch.input_ids)
         attn_i = rec_i = 0
         for layer in self.layers:
             if layer.spec.mixer == "attention":
@@ -110,11 +84,8 @@ class HybridLM(nnx.Module):
                     ckpts.write(store, batch.save_blocks, rec_i, tuple(a[:num_saves] for a in saved))
                 rec_i += 1
             if layer.spec.mixer is not None:
-                h = h + out * cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else h + out
-            if layer.spec.ffn is not None:
-                ffn = layer.mlp if layer.spec.ffn == "mlp" else layer.moe
-                out = ffn(layer.ffn_norm(h))
-                h = h + out * cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else h + out
+                h = add_residual(cfg, h, out)
+            h = layer.feed_forward(cfg, h)
 
         pools = pools.with_store(store, tuple(states))
         if rows is not None:
@@ -124,6 +95,11 @@ class HybridLM(nnx.Module):
             h = h[last]
         h = self.final_norm(h)
         return (h if hidden else self.head(h)), pools
+
+    def embedding(self, ids: jax.Array) -> jax.Array:
+        """Token ids `[T]` -> input embeddings `[T, D]`."""
+        h = self.embed[...][ids]
+        return h * self.cfg.embedding_multiplier if self.cfg.embedding_multiplier != 1.0 else h
 
     def head(self, h: jax.Array) -> jax.Array:
         """Final hidden states `[R, D]` -> float32 logits `[R, V]`."""

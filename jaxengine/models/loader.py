@@ -232,9 +232,18 @@ RULES: dict[str, list[Rule]] = {
     "Qwen3_5MoeForCausalLM": _qwen_rules(),
 }
 
+# The multi-token-prediction module (`mtp.py`): its own tensors, and its decoder layers named
+# as the model's own (`mtp.layers.<N>.` for `model.layers.<N>.`).
+MTP_RULES = [
+    Rule(r"^mtp\.fc\.weight$", _top("mtp", "fc", "kernel"), "linear"),
+    Rule(r"^mtp\.(?P<norm>pre_fc_norm_embedding|pre_fc_norm_hidden|norm)\.weight$",
+         lambda m, cfg: [("mtp", m.group("norm"), "weight")]),
+]
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(?P<layer>\d+)\.")
+
 # Tensors a checkpoint may carry that serving its text model does not use: rotary tables,
-# the multi-token-prediction module (`mtp.*`, a draft head for speculative decoding, which is
-# not built yet) and a vision-language checkpoint's vision tower.
+# the MTP module unless speculative decoding drafts with it, and a vision-language
+# checkpoint's vision tower.
 IGNORED = re.compile(r"(rotary_emb\.inv_freq|^mtp\.|^model\.visual\.)")
 
 
@@ -310,13 +319,12 @@ def params_from_hf(model_dir: Path, cfg: ModelConfig, abstract_state: nnx.State)
     parts: dict[Path_, dict[tuple[int | None, int], np.ndarray]] = {}
     ignored: dict[str, int] = {}
     for name, tensor in _read_safetensors(model_dir).items():
-        rule, match = next(((r, m) for r in rules if (m := re.search(r.pattern, name))), (None, None))
+        rule, match, targets = _rule_for(name, cfg, rules)
         if rule is None:
             if found := IGNORED.search(name):
                 ignored[found.group(0)] = ignored.get(found.group(0), 0) + 1
                 continue
             raise ValueError(f"{model_dir}: unexpected tensor {name!r} with shape {tuple(tensor.shape)}")
-        targets = rule.targets(match, cfg)
         if targets == [("lm_head", "kernel")] and cfg.tie_word_embeddings:
             continue  # tied: the embedding serves as the output projection
         for path in targets:
@@ -339,7 +347,10 @@ def params_from_hf(model_dir: Path, cfg: ModelConfig, abstract_state: nnx.State)
             else:
                 filled[path] = value
     for found, count in ignored.items():
-        if found != "rotary_emb.inv_freq":
+        if found == "mtp.":
+            logger.info("%s: %d tensors mtp.* not loaded (the MTP draft module: speculative_config method 'mtp' "
+                        "uses it)", model_dir, count)
+        elif found != "rotary_emb.inv_freq":
             logger.info("%s: %d tensors %s* not loaded (not used to serve the text model)", model_dir, count, found)
     for path, pieces in parts.items():
         filled[path] = _assemble(model_dir, path, pieces, tuple(expected[path].shape))
@@ -348,6 +359,20 @@ def params_from_hf(model_dir: Path, cfg: ModelConfig, abstract_state: nnx.State)
         names = ", ".join("/".join(map(str, p)) for p in missing[:8])
         raise ValueError(f"{model_dir}: missing tensors for parameters {names}" + (" ..." if len(missing) > 8 else ""))
     return _unflat({p: jnp.asarray(v, dtype=expected[p].dtype) for p, v in filled.items()})
+
+
+def _rule_for(name: str, cfg: ModelConfig, rules: list[Rule]) -> tuple[Rule | None, re.Match | None, list[Path_]]:
+    """The rule a tensor name matches, its match and its parameter paths; (None, None, [])
+    for none. MTP tensors match only when the model has an MTP module: its layers by the
+    architecture's own rules, as layers of a model made of the MTP layers."""
+    if cfg.mtp_layers and name.startswith("mtp."):
+        if _MTP_LAYER.match(name):
+            inner = "model." + name.removeprefix("mtp.")  # mtp.layers.N.x -> model.layers.N.x
+            rule, match, targets = _rule_for(inner, dataclasses.replace(cfg, layers=cfg.mtp_layers, mtp_layers=()), rules)
+            return rule, match, [("mtp", *t) for t in targets]
+        rules = MTP_RULES
+    rule, match = next(((r, m) for r in rules if (m := re.search(r.pattern, name))), (None, None))
+    return rule, match, rule.targets(match, cfg) if rule else []
 
 
 def _assemble(model_dir: Path, path: Path_, pieces: dict[tuple[int | None, int], np.ndarray],
@@ -395,19 +420,24 @@ def _unflat(flat: dict[Path_, object]) -> dict:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "float32", kernels: str = "auto"
+    model_dir: str | Path, dtype: str = "float32", kernels: str = "auto", *, mtp: bool = False
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
-    """Loads a model directory (Hugging Face, or converted by `jaxengine convert`).
+    """Loads a model directory (Hugging Face, or converted by `jaxengine convert`), with its
+    MTP module when `mtp` (the config must declare one).
 
     Returns the config, the graph definition and the parameter state, ready for `nnx.merge`."""
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"unsupported dtype={dtype!r}; supported: float32, bfloat16, float16")
     model_dir = Path(model_dir)
-    cfg = load_model_config(model_dir)
+    declared = load_model_config(model_dir)
+    cfg = declared if mtp else dataclasses.replace(declared, mtp_layers=())
     graphdef, state = nnx.split(abstract_model(cfg, jnp.dtype(dtype), kernels))
     converted = model_dir / CONVERTED_PARAMS_DIR
-    if converted.is_dir():
-        params = restore_params(converted, state)
+    if converted.is_dir():  # stored with the MTP module its config declares (`jaxengine convert`)
+        stored = state if cfg == declared else nnx.split(abstract_model(declared, jnp.dtype(dtype), kernels))[1]
+        params = restore_params(converted, stored)
+        if not mtp:
+            params.pop("mtp", None)
     else:
         params = params_from_hf(model_dir, cfg, state)
     state.replace_by_pure_dict(params)

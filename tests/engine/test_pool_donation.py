@@ -24,28 +24,25 @@ def _ops_on_pool_shapes(hlo: str, pool_shapes: set[tuple[int, ...]]) -> list[str
     return ops
 
 
-@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_no_step_copies_a_pool(bamba_llm, decode):
-    engine = bamba_llm.engine
+def assert_no_step_copies_a_pool(engine, decode: bool) -> None:
+    """Compiles the step of one sequence (where XLA turns the slot gather into a dynamic slice)
+    and of four, and looks for copies among the instructions of the pools' shapes."""
     runner = engine.runner
     pools = jax.tree.leaves(runner.pools)
     pool_shapes = {tuple(p.shape) for p in pools}
-    # One sequence (where XLA turns the slot gather into a dynamic slice) and a few.
     shapes = [
         min((s for s in engine.shapes() if s.decode == decode and s.num_seqs == n), key=lambda s: s.num_tokens)
         for n in (1, 4)
     ]
     for shape in shapes:
         batch, sampling = engine.builder.empty(shape)
-        hlo = (
-            runner.sample_step.lower(
-                param_leaves=runner.param_leaves, pools=runner.pools, batch=batch,
-                sampling=sampling, decode=shape.decode, num_logprobs=runner.num_logprobs,
-            )
-            .compile()
-            .as_text()
-        )
+        hlo = runner._lower(batch, sampling, shape.decode).compile().as_text()
         ops = _ops_on_pool_shapes(hlo, pool_shapes)
         # The parser sees the pools: each comes in as a parameter.
         assert ops.count("parameter") >= len(pools), (shape, ops)
         assert "copy" not in ops, f"{shape}: the step copies a whole pool ({ops.count('copy')} copies)"
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_no_step_copies_a_pool(bamba_llm, decode):
+    assert_no_step_copies_a_pool(bamba_llm.engine, decode)

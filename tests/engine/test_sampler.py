@@ -42,6 +42,8 @@ def _batch(n: int, **overrides) -> SamplingBatch:
         sample_rows=np.arange(n, dtype=np.int32)[:, None],
         num_drafts=np.zeros(n, np.int32),
         next_ids=np.full(n, -1, np.int32),
+        following_ids=np.full(n, -1, np.int32),
+        wants_drafts=np.zeros(n, bool),
     )
     for key, value in overrides.items():
         fields[key] = np.asarray(value, dtype=fields[key].dtype)

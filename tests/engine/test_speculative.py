@@ -189,7 +189,6 @@ def test_ngram_proposal_continues_the_latest_longest_match():
      "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": -1}, "prompt_lookup_max"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
-    ({"method": "mtp", "num_speculative_tokens": 2}, "not implemented"),
     ({"method": "draft_model", "model": "/nowhere", "num_speculative_tokens": 2}, "not implemented"),
     ("ngram", "mapping"),
 ])
@@ -225,16 +224,32 @@ def test_speculative_config_in_a_yaml_engine_section(tmp_path):
 
 
 def test_the_gate_drafts_only_while_verify_steps_emit_more_tokens_per_second_than_decode_steps():
-    gate = SpeculationGate(probe_every=4, smoothing=0.5)
+    gate = SpeculationGate(probe_every=4, smoothing=0.5, max_probe_every=8)
+    assert not gate.may_open_next(16)  # drafts made a step ahead (MTP): none before the decode timing
     assert not gate.open(16)  # a plain decode step first, to time it
     gate.record_decode(16, 0.010)  # 100 tokens/s per sequence
+    assert gate.may_open_next(16)
     assert gate.open(16)  # then a verify step
     gate.record_verify(16, 0.030, emitted_per_seq=1.5)  # 50 tokens/s per sequence: does not pay
-    assert [gate.open(16) for _ in range(8)] == [False, False, False, True] * 2  # but probes
+    ahead, opened = [], []
+    for _ in range(21):
+        ahead.append(gate.may_open_next(16))
+        opened.append(gate.open(16))
+    # Probes after 4 steps off, then 8 (the wait doubles up to max_probe_every), then 8 again.
+    probes = [i for i, o in enumerate(opened) if o]
+    assert probes == [3, 11, 19]
+    assert [i for i, a in enumerate(ahead) if a] == probes  # drafts are made ahead of each probe only
     assert not gate.open(4)  # another batch size is timed on its own
     for _ in range(6):
         gate.record_verify(16, 0.030, emitted_per_seq=4.0)  # acceptance rose: 133 tokens/s
-    assert all(gate.open(16) for _ in range(8))
+    assert [gate.may_open_next(16) for _ in range(2)] == [True, True]  # predicting does not move it
+    # On: every 4th step (probe_every) is a plain one, re-timing decode.
+    opened, retiming = [], []
+    for _ in range(8):
+        opened.append(gate.open(16))
+        retiming.append(gate.retiming)
+    assert opened == [True, True, True, False] * 2
+    assert retiming == [not o for o in opened]  # a step that must not draft for the next (MTP) to be timed
     gate.record_decode(16, 0.005)  # decode got cheaper (e.g. shorter contexts): 200 tokens/s
     gate.record_decode(16, 0.005)
     gate.record_decode(16, 0.005)

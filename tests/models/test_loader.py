@@ -21,6 +21,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import PreTrainedModel
 
 from jaxengine import LLM
+from jaxengine.cli import main
 from jaxengine.models.config import load_model_config
 from jaxengine.models.loader import CONVERTED_PARAMS_DIR, load_model, save_params
 from tests.models.tiny_models import (
@@ -32,6 +33,7 @@ from tests.models.tiny_models import (
     random_prompt,
     save_tiny_model,
 )
+from tests.models.tiny_mtp import add_tiny_mtp
 
 PROMPT = random_prompt(29, seed=1)
 SUPPORTED = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
@@ -125,6 +127,30 @@ def test_converted_orbax_params_round_trip(bamba, tmp_path):
 
     assert_same_params(load_model(tmp_path)[2], state)
     np.testing.assert_array_equal(engine_logits(tmp_path), engine_logits(path))
+
+
+def test_the_mtp_module_loads_when_asked_and_converts_with_the_model(tmp_path):
+    """mtp.* tensors fill the MTP module's parameters only with `mtp=True` (else they are
+    skipped); `jaxengine convert` stores them, and either load of the converted directory
+    equals that of the safetensors. A missing MTP tensor is named."""
+    src, out = tmp_path / "hf", tmp_path / "converted"
+    add_tiny_mtp(save_tiny_model("bamba", src), src)
+    cfg, _, with_mtp = load_model(src, mtp=True)
+    assert cfg.mtp_layers and "mtp" in with_mtp.to_pure_dict()
+    fc = load_file(src / "model.safetensors")["mtp.fc.weight"]
+    np.testing.assert_array_equal(np.asarray(with_mtp.to_pure_dict()["mtp"]["fc"]["kernel"]), fc.T)
+    cfg, _, without = load_model(src)
+    assert not cfg.mtp_layers and "mtp" not in without.to_pure_dict()
+
+    main(["convert", str(src), str(out)])
+    assert_same_params(load_model(out, mtp=True)[2], with_mtp)
+    assert_same_params(load_model(out)[2], without)
+
+    tensors = load_file(src / "model.safetensors")
+    tensors.pop("mtp.layers.0.self_attn.k_proj.weight")
+    save_file(tensors, src / "model.safetensors")
+    with pytest.raises(ValueError, match="mtp/layers/0/attention/k_proj/kernel"):
+        load_model(src, mtp=True)
 
 
 # ---------------------------------------------------------------------------- tensor errors

@@ -19,7 +19,8 @@ KERNEL_ROWS = [
     "ssd decode-ish bf16",
 ]
 ON_GPU = jax.default_backend() == "gpu"
-ENGINE_ROWS = ["engine decode b4", "engine prefill 4x8", "engine load / first runs", "engine first tokens auto vs ref"]
+ENGINE_ROWS = ["engine decode b4", "engine prefill 4x8", "engine load / first runs", "engine first tokens auto vs ref",
+               "engine verify b4"]
 
 
 def _run(tmp_path: Path, *argv: str) -> tuple[int, dict]:
@@ -49,9 +50,11 @@ def test_quick_run_checks_kernels_and_engine(tmp_path, capsys):
     assert decode["reference"]["kernels"] == "reference"
     assert decode["auto"]["recompiles"] == 0 and decode["reference"]["recompiles"] == 0
     assert rows["engine first tokens auto vs ref"]["status"] == "pass"
+    verify = rows["engine verify b4"]
+    assert verify["status"] == "pass" and verify["details"]["verifies"] > 0 and verify["details"]["recompiles"] == 0
     # The table comes last: its header, then one line per row.
     lines = capsys.readouterr().out.rstrip().splitlines()
-    assert lines[-len(rows) - 1].startswith("check") and lines[-1].startswith("engine first tokens")
+    assert lines[-len(rows) - 1].startswith("check") and lines[-1].startswith("engine verify")
 
 
 def test_deadline_skips_every_check(tmp_path):
@@ -92,7 +95,7 @@ def test_engine_report_when_a_mode_did_not_run():
     auto = device_check.EngineRun("auto", 1.0, 9.0, 400.0, 300.0, 2000.0, 0, [[1, 2, 3], [4, 5, 6]], [7, 8])
     roofline = device_check.Roofline(bandwidth=1e9, matmul_rate=1e12)
     rows = device_check.engine_report(spec, sizes, {"auto": auto, "reference": "skipped (time)"}, roofline)
-    assert [r.name for r in rows] == ENGINE_ROWS
+    assert [r.name for r in rows] == ENGINE_ROWS[:-1]  # the verify row comes from its own run
     decode = rows[0]
     assert decode.status == "ok" and decode.kernel == 400.0 and decode.reference is None and decode.speedup is None
     assert decode.note == "reference: skipped (time)" and decode.kernel_floor_pct > 0

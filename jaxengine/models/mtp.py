@@ -1,0 +1,157 @@
+"""The multi-token-prediction (MTP) module: a draft head the target model carries, run inside
+the target's own step (speculative decoding's `mtp` method).
+
+Qwen3-Next / Qwen3.5's format (`mtp.*` tensors). At position t it reads the target's final
+hidden state h_t and the embedding of token t + 1,
+
+    x_t = fc([pre_fc_norm_embedding(embed(token t+1)), pre_fc_norm_hidden(h_t)])   # [2D] -> [D]
+
+runs one full-attention decoder layer of the model's own kind over x, with KV pages of its own
+that lie in the cache blocks beside the target's (so prefix caching keeps them), and
+
+    g_t = norm(layer(x)_t),   logits = head(g_t)   (the target's output projection)
+
+predicts token t + 2. Drafting k tokens after a step: the first from g at each sequence's last
+accepted position; each next one by running the layer at the following position on its own
+output g and the draft it just made (one token per sequence), as vLLM does.
+
+Every step runs the module over all its tokens, whether it drafts or not, so every computed
+position has its MTP KV entry: the token after each is known to the host (`following_ids`)
+or is the step's own sample there (at a verify step's rows the sample equals the draft
+wherever the draft was accepted, and is the target's correction at the first rejection).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxengine.models.batch import Pools, StepBatch, token_layout
+from jaxengine.models.config import ModelConfig
+from jaxengine.models.decoder_layer import DecoderLayer, add_residual, norm_settings
+from jaxengine.models.kernels import KernelOps
+from jaxengine.models.layers import RMSNorm, linear
+
+
+class Mtp(nnx.Module):
+    """`mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.fc`, `mtp.layers.0`, `mtp.norm`."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        norm = norm_settings(cfg, dtype)
+        self.pre_fc_norm_embedding = RMSNorm(d, **norm)
+        self.pre_fc_norm_hidden = RMSNorm(d, **norm)
+        self.fc = linear(2 * d, d, bias=False, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, spec, dtype=dtype, rngs=rngs) for spec in cfg.mtp_layers])
+        self.norm = RMSNorm(d, **norm)
+
+    def inputs(self, embedded: jax.Array, hidden: jax.Array) -> jax.Array:  # [T, D], [T, D] -> x [T, D]
+        return self.fc(jnp.concatenate([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], -1))
+
+    def outputs(self, cfg: ModelConfig, x: jax.Array, attention_out: jax.Array) -> jax.Array:  # -> g [T, D]
+        return self.norm(self.layers[0].feed_forward(cfg, add_residual(cfg, x, attention_out)))
+
+
+def last_accepted_rows(batch: StepBatch, sample_rows: jax.Array, num_drafts: jax.Array, sampled: jax.Array) -> jax.Array:
+    """Per sequence, the sample row (0..W-1) of its last accepted token: the host's `accept`
+    done on device (drafts kept while the target's sample after the row before agrees).
+
+    sample_rows [S, W] flat token indices, num_drafts [S], sampled [S, W] -> [S] int32."""
+    num_seqs, width = sampled.shape
+    if width == 1:
+        return jnp.zeros(num_seqs, jnp.int32)
+    first = width - 1 - num_drafts  # [S]: the row of the pending token
+    drafts = batch.input_ids[sample_rows[:, 1:]]  # [S, W - 1]: the token after each row
+    before = jnp.arange(width - 1)[None, :] < first[:, None]
+    agree = (sampled[:, :-1] == drafts) | before
+    return jnp.sum(jnp.cumprod(agree, axis=1), axis=1).astype(jnp.int32)
+
+
+def mtp_drafts(
+    model, pools: Pools, batch: StepBatch, sample_rows: jax.Array, num_drafts: jax.Array, following_ids: jax.Array,
+    wants_drafts: jax.Array, hidden: jax.Array, sampled: jax.Array, num_speculative_tokens: int, ops: KernelOps,
+) -> tuple[jax.Array, Pools]:
+    """Runs the MTP module over the step's tokens and, when some sequence `wants_drafts` [S],
+    drafts `num_speculative_tokens` greedy tokens per sequence after its last accepted one.
+
+    hidden [T, D]: the target's final hidden states; sampled [S, W]: the step's samples;
+    following_ids [T]: the token after each token where the host knows it, else -1.
+    Returns drafts [S, k] int32 (zeros when none is wanted) and the pools with the MTP
+    layer's KV entries written.
+
+    The pass over the step's tokens always runs, so every computed position has its entry
+    for whenever drafting resumes; the drafting runs only when wanted (under `lax.cond`s).
+    The KV writes stay outside the conditionals (to the null slot when not drafting): XLA
+    copies pages a branch returns."""
+    cfg = model.cfg
+    store = pools.store_arrays()
+    kv = 2 * cfg.num_attention_layers  # the MTP layer's K and V pages: store[kv], store[kv + 1]
+    page_size = store[kv].shape[1]
+    num_tokens = batch.input_ids.shape[0]
+    num_seqs, width = sampled.shape
+    wanted = jnp.any(wants_drafts)
+
+    def when(fn, *args):
+        return _when(wanted, fn, *args)
+
+    used = jnp.arange(width)[None, :] >= (width - 1 - num_drafts)[:, None]  # [S, W]: rows of real tokens
+    own = jnp.zeros(num_tokens, jnp.int32).at[jnp.where(used, sample_rows, num_tokens)].set(sampled, mode="drop")
+    following = jnp.where(following_ids >= 0, following_ids, own)  # [T]
+    layout = token_layout(batch, page_size)
+    g = _layer_pass(model, following, hidden, layout.positions, layout.slot_mapping, batch, store, kv, ops,
+                    _call)  # [T, D]
+
+    last = last_accepted_rows(batch, sample_rows, num_drafts, sampled)
+    row = jnp.take_along_axis(sample_rows, last[:, None], axis=1)[:, 0]  # [S] flat token index
+    g = g[row]  # [S, D]
+    draft = when(_greedy, model, g)
+    drafts = [draft]
+    start = layout.positions[row]  # [S]
+    pages_per_seq = batch.page_table.shape[1]
+    capacity = pages_per_seq * page_size
+    seqs = jnp.arange(num_seqs, dtype=jnp.int32)
+    step = dataclasses.replace(batch, cu_q_lens=jnp.arange(num_seqs + 1, dtype=jnp.int32))
+    for i in range(1, num_speculative_tokens):
+        # One token per sequence at the next position; past the page table (drafts never
+        # used: the host drafts none past max_model_len), or when not drafting, into the null slot.
+        pos = start + i
+        page = batch.page_table[seqs, jnp.minimum(pos // page_size, pages_per_seq - 1)]
+        slot = jnp.where(wanted & (pos < capacity), page * page_size + pos % page_size, 0)
+        step = dataclasses.replace(step, kv_lens=jnp.minimum(pos + 1, capacity))
+        g = _layer_pass(model, draft, g, pos, slot, step, store, kv, ops, when)
+        draft = when(_greedy, model, g)
+        drafts.append(draft)
+    return jnp.stack(drafts, axis=1), pools.with_store(store, pools.states)
+
+
+def _layer_pass(model, ids: jax.Array, hidden: jax.Array, positions: jax.Array, slots: jax.Array, batch: StepBatch,
+                store: list[jax.Array], kv: int, ops: KernelOps, when) -> jax.Array:
+    """The module over tokens `ids` [N] after hidden states `hidden` [N, D] at `positions`,
+    writing their K/V to `slots` of store[kv], store[kv + 1] (in place in `store`) -> g [N, D].
+    `when(fn, *args)` runs the compute (`_call`, or under a condition)."""
+    mtp, layer = model.mtp, model.mtp.layers[0]
+
+    def project(ids, hidden, positions):
+        x = mtp.inputs(model.embedding(ids), hidden)
+        return x, *layer.attention.project(layer.mixer_norm(x), positions)
+
+    def finish(x, q, gate, k_pages, v_pages, batch):
+        return mtp.outputs(model.cfg, x, layer.attention.attend(q, gate, k_pages, v_pages, batch, ops))
+
+    x, q, gate, k, v = when(project, ids, hidden, positions)
+    store[kv], store[kv + 1] = ops.write_kv_pages(store[kv], store[kv + 1], k, v, slots)
+    return when(finish, x, q, gate, store[kv], store[kv + 1], batch)
+
+
+def _greedy(model, g: jax.Array) -> jax.Array:  # [S, D] -> [S] int32
+    return jnp.argmax(model.head(g), axis=-1).astype(jnp.int32)
+
+
+def _call(fn, *args):
+    return fn(*args)
+
+
+def _when(flag: jax.Array, fn, *args):
+    """`fn(*args)` if `flag`, else zeros shaped as its result (a `lax.cond`)."""
+    return jax.lax.cond(flag, fn, lambda *a: jax.tree.map(jnp.zeros_like, jax.eval_shape(fn, *a)), *args)
