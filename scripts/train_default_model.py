@@ -37,7 +37,7 @@ import random
 import sysconfig
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -232,7 +232,12 @@ class TrainResult:
     final_train_loss: float
 
 
-def train(model: BambaForCausalLM, windows: torch.Tensor, args: argparse.Namespace) -> TrainResult:
+def train(
+    model: torch.nn.Module, loss_of: Callable[[torch.Tensor], torch.Tensor], windows: torch.Tensor,
+    args: argparse.Namespace,
+) -> TrainResult:
+    """Trains the parameters of `model` that require gradients on `loss_of(batch)` until
+    `--steps` or `--max-minutes` (the LR schedule follows whichever comes first)."""
     optimizer = build_optimizer(model, args.lr, args.weight_decay)
     budget_s = args.max_minutes * 60.0
     rng = np.random.default_rng(args.seed)
@@ -248,7 +253,7 @@ def train(model: BambaForCausalLM, windows: torch.Tensor, args: argparse.Namespa
         lr = learning_rate(step, progress, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = loss_of(batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -370,7 +375,7 @@ def main() -> None:
     num_params = sum(p.numel() for p in model.parameters())
     LOG.info("model: %d parameters", num_params)
 
-    result = train(model, train_windows, args)
+    result = train(model, lambda batch: model(input_ids=batch, labels=batch).loss, train_windows, args)
     heldout_loss = mean_token_loss(model, heldout_windows, args.batch_size)
     sample_name, sample_text = heldout_excerpt(corpus.heldout)
     sample_ids = tokenizer(sample_text, return_tensors="pt").input_ids

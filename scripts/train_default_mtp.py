@@ -23,24 +23,13 @@ import copy
 import datetime
 import json
 import logging
-import time
-from collections import deque
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
-from train_default_model import (
-    batches,
-    build_optimizer,
-    learning_rate,
-    load_corpus,
-    seed_everything,
-    select_windows,
-    to_windows,
-    token_stream,
-)
+from train_default_model import load_corpus, seed_everything, select_windows, to_windows, token_stream, train
 from transformers import BambaForCausalLM
 
 LOG = logging.getLogger("train_default_mtp")
@@ -124,28 +113,7 @@ def main() -> None:
     for p in model.parameters():
         p.requires_grad_(False)
     mtp = MtpModule(model)
-    optimizer = build_optimizer(mtp, args.lr, args.weight_decay)
-    budget_s = args.max_minutes * 60.0
-    start, step = time.monotonic(), 0
-    recent: deque[float] = deque(maxlen=args.log_every)
-    mtp.train()
-    for batch in batches(train_windows, args.batch_size, np.random.default_rng(args.seed)):
-        elapsed = time.monotonic() - start
-        progress = elapsed / budget_s if args.steps is None else max(elapsed / budget_s, step / args.steps)
-        if progress >= 1.0:
-            break
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, progress, args)
-        loss, _ = mtp_loss(model, mtp, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(mtp.parameters(), args.grad_clip)
-        optimizer.step()
-        step += 1
-        recent.append(loss.item())
-        if step % args.log_every == 0:
-            LOG.info("step %5d  loss %.4f  %.1f min", step, np.mean(recent), (time.monotonic() - start) / 60)
-    wall = time.monotonic() - start
+    result = train(mtp, lambda batch: mtp_loss(model, mtp, batch)[0], train_windows, args)
 
     mtp.eval()
     with torch.no_grad():
@@ -165,9 +133,9 @@ def main() -> None:
     summary = json.loads(summary_path.read_text())
     summary["mtp"] = {
         "parameter_count": sum(p.numel() for p in mtp.parameters()),
-        "steps": step,
-        "wall_time_s": round(wall, 1),
-        "final_train_loss": float(np.mean(recent)) if recent else None,
+        "steps": result.steps,
+        "wall_time_s": round(result.wall_time_s, 1),
+        "final_train_loss": result.final_train_loss,
         "heldout_loss": heldout_loss,
         "heldout_top1_accuracy": accuracy,
         "hyperparameters": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -53,12 +53,13 @@ class LLMEngine:
         if cache_dir:
             enable_compilation_cache(cache_dir)
         kernel_ops(config.kernels)  # kernels this machine cannot run: an error now, not at the first step
-        if config.dtype == "float16" and load_model_config(self.model_dir).num_recurrent_layers:
+        declared = load_model_config(self.model_dir)
+        if config.dtype == "float16" and declared.num_recurrent_layers:
             raise ValueError("engine argument dtype='float16' is not supported for models with recurrent layers "
                              "(their float32 states would not fit float16 checkpoints); use bfloat16 or float32")
         self.speculative = config.speculative()
         self.uses_mtp = uses_mtp = self.speculative is not None and self.speculative.method == "mtp"
-        if uses_mtp and not load_model_config(self.model_dir).mtp_layers:
+        if uses_mtp and not declared.mtp_layers:
             raise ValueError(f"engine argument speculative_config.method='mtp': {self.model_dir / 'config.json'} "
                              f"declares no MTP module (mtp_num_hidden_layers)")
         self.model_config, graphdef, params = load_model(self.model_dir, config.dtype, config.kernels, mtp=uses_mtp)

@@ -239,7 +239,6 @@ MTP_RULES = [
     Rule(r"^mtp\.(?P<norm>pre_fc_norm_embedding|pre_fc_norm_hidden|norm)\.weight$",
          lambda m, cfg: [("mtp", m.group("norm"), "weight")]),
 ]
-_MTP_LAYER = re.compile(r"^mtp\.layers\.(?P<layer>\d+)\.")
 
 # Tensors a checkpoint may carry that serving its text model does not use: rotary tables,
 # the MTP module unless speculative decoding drafts with it, and a vision-language
@@ -366,7 +365,7 @@ def _rule_for(name: str, cfg: ModelConfig, rules: list[Rule]) -> tuple[Rule | No
     for none. MTP tensors match only when the model has an MTP module: its layers by the
     architecture's own rules, as layers of a model made of the MTP layers."""
     if cfg.mtp_layers and name.startswith("mtp."):
-        if _MTP_LAYER.match(name):
+        if name.startswith("mtp.layers."):
             inner = "model." + name.removeprefix("mtp.")  # mtp.layers.N.x -> model.layers.N.x
             rule, match, targets = _rule_for(inner, dataclasses.replace(cfg, layers=cfg.mtp_layers, mtp_layers=()), rules)
             return rule, match, [("mtp", *t) for t in targets]
