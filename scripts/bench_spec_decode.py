@@ -12,6 +12,13 @@ holds every compiled step of a process in memory: three warmed-up engines did no
 Engine settings are the defaults but for `max_num_seqs` (the largest batch; 16 is also the
 default) and, when given, `--max-model-len`.
 
+`--pad-layers N` serves a larger target instead: the model with N more Mamba2 layers whose
+output projections (mixer and feed-forward) are zero. Each computes as a full layer but adds
+nothing, so the target costs about N / 6 times more per token (for the default model) while
+predicting exactly as the model: with `draft-default-*` the embedded default model drafts for
+it with every greedy draft accepted (a bound on what a draft of that acceptance gains), and
+its MTP module serves it as well as the model.
+
 Reported per row: output tokens/s of each engine (batch * max_tokens / wall time of one
 `generate` call, prefill included), the ratio speculative / plain, and the speculative engine's
 acceptance rate (accepted / drafted tokens) and mean accepted length (tokens emitted per
@@ -19,6 +26,7 @@ verifying sequence-step, the bonus token included) over its timed runs.
 
 Usage (from the repository root):
   PYTHONPATH=. python scripts/bench_spec_decode.py --batch-sizes 1 16 --max-tokens 96 --repeats 3 --json bench_spec_decode.json
+  PYTHONPATH=. python scripts/bench_spec_decode.py --pad-layers 66 --methods draft-default-k3 mtp-k2 --json padded.json
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
+from safetensors.numpy import load_file, save_file
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.run_config import DEFAULT_MODEL
@@ -50,6 +60,10 @@ METHODS = {
     "mtp-k2": {"method": "mtp", "num_speculative_tokens": 2},
     "mtp-k3": {"method": "mtp", "num_speculative_tokens": 3},
     "mtp-k2-always": {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False},
+    # The embedded default model as a draft model (for itself, or for a `--pad-layers` target).
+    "draft-default-k3": {"method": "draft_model", "model": str(DEFAULT_MODEL), "num_speculative_tokens": 3},
+    "draft-default-k3-always": {"method": "draft_model", "model": str(DEFAULT_MODEL), "num_speculative_tokens": 3,
+                                "adaptive": False},
 }
 SAMPLING = {"greedy": dict(temperature=0.0), "t0.7": dict(temperature=0.7, top_p=0.95)}
 
@@ -61,6 +75,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pad-layers", type=int, default=0,
+                        help="serve the model with this many zero-output Mamba2 layers added (see above)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="the engines' max_model_len (default: the engine's own, as a user gets it)")
     parser.add_argument("--json", type=Path, default=Path("bench_spec_decode.json"))
@@ -76,6 +92,27 @@ def fresh_prompts(batch: int, run: int) -> list[str]:
     return [f"# run {run}, request {i}\n{base[i % len(base)]}" for i in range(batch)]
 
 
+def padded_model(model_dir: Path, num_layers: int, out_dir: Path) -> Path:
+    """`model_dir` (a Bamba model) with `num_layers` more layers, copies of its first Mamba2
+    layer with `mamba.out_proj` and `feed_forward.down_proj` zero: the same predictions."""
+    config = json.loads((model_dir / "config.json").read_text())
+    first = min(set(range(config["num_hidden_layers"])) - set(config["attn_layer_indices"]))
+    tensors = load_file(model_dir / "model.safetensors")
+    prefix = f"model.layers.{first}."
+    for i in range(config["num_hidden_layers"], config["num_hidden_layers"] + num_layers):
+        for name, tensor in [(n, t) for n, t in tensors.items() if n.startswith(prefix)]:
+            zero = name.endswith(("mamba.out_proj.weight", "feed_forward.down_proj.weight"))
+            tensors[f"model.layers.{i}.{name[len(prefix):]}"] = np.zeros_like(tensor) if zero else tensor.copy()
+    config["num_hidden_layers"] += num_layers
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (model_dir / name).is_file():
+            (out_dir / name).write_bytes((model_dir / name).read_bytes())
+    return out_dir
+
+
 def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -88,6 +125,14 @@ def main() -> None:
     args = parse_args()
     if len(args.methods) > 1:
         return run_each_method_alone(args)
+    if args.pad_layers:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.model = padded_model(args.model, args.pad_layers, Path(tmp) / "padded")
+            return run(args)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     # No stored steps: on XLA:CPU, steps loaded from files fail once the process compiles
     # others, and the engines here compile different shapes.
     engine_args = dict(max_num_seqs=max(args.batch_sizes), max_model_len=args.max_model_len, background_compile=False,
@@ -121,7 +166,8 @@ def main() -> None:
                       f"mean accepted length {rows[-1]['mean_accepted_length']:.2f}")
     report = dict(date=datetime.date.today().isoformat(), machine=platform.processor() or platform.machine(),
                   cpus=jax.local_device_count(), jax=jax.__version__, model=str(args.model),
-                  max_tokens=args.max_tokens, repeats=args.repeats, max_model_len=args.max_model_len, methods={m: METHODS[m] for m in specs}, rows=rows)
+                  pad_layers=args.pad_layers, max_tokens=args.max_tokens, repeats=args.repeats,
+                  max_model_len=args.max_model_len, methods={m: METHODS[m] for m in specs}, rows=rows)
     args.json.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
 
@@ -134,7 +180,7 @@ def run_each_method_alone(args: argparse.Namespace) -> None:
             out = Path(tmp) / f"{name}.json"
             command = [sys.executable, __file__, "--model", str(args.model), "--methods", name, "--batch-sizes",
                        *map(str, args.batch_sizes), "--max-tokens", str(args.max_tokens), "--repeats",
-                       str(args.repeats), "--json", str(out)]
+                       str(args.repeats), "--pad-layers", str(args.pad_layers), "--json", str(out)]
             if args.max_model_len is not None:
                 command += ["--max-model-len", str(args.max_model_len)]
             subprocess.run(command, check=True)

@@ -30,7 +30,7 @@ def step_ms(llm: LLM, shape: Shape, drafting: bool, runs: int = 30) -> float:
     times = []
     for _ in range(runs):
         start = time.perf_counter()
-        out, engine.runner.pools = engine.runner.run_executable(executable, batch, sampling)
+        out, engine.runner.draft_pools, engine.runner.pools = engine.runner.run_executable(executable, batch, sampling)
         np.asarray(out.tokens)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)

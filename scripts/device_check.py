@@ -41,7 +41,9 @@ What it measures:
      batch on prompts that repeat an 8-token pattern, with drafts (verify steps) and
      without (plain decode steps), alternating; output tokens/s of each, acceptance, and
      the share of requests whose greedy tokens differ between the two (at most 25%, as
-     for the first tokens: bf16 rounding of a k + 1-token step may flip near-ties).
+     for the first tokens: bf16 rounding of a k + 1-token step may flip near-ties). The
+     same with `draft_model`: the model drafting for itself inside its own step (its
+     greedy drafts should all be accepted but where bf16 rounding flips a near-tie).
 
 Tolerances: attention (bf16) 2^-6 * max|v|, v uniform in [-1, 1] (each side rounds the
 probabilities and the output to bf16; see tests/pallas_kernels); queries are scaled so the
@@ -731,23 +733,30 @@ def periodic_prompts(count: int, length: int, vocab: int, seed: int) -> list[lis
     return np.tile(patterns, (1, -(-length // 8)))[:, :length].tolist()
 
 
-def verify_row(model_dir: Path, kernels: str, spec: EngineSpec) -> Row:
-    """One engine, its decode runs with drafts (verify steps) and without (plain decode
-    steps), alternating on fresh prompts: output tokens/s of each, and the share of requests
-    whose greedy tokens differ between the two on the same prompts (the second run of those
-    hits the prefix cache)."""
+def draft_config(model_dir: Path) -> dict:
+    """The random model drafting for itself: every greedy draft should be accepted."""
+    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3, "adaptive": False}
+
+
+def verify_row(model_dir: Path, kernels: str, spec: EngineSpec, method: str = "ngram") -> Row:
+    """One engine speculating with `method` (ngram, or `draft_config`), its decode runs with
+    drafts (verify steps) and without (plain decode steps), alternating on fresh prompts:
+    output tokens/s of each, and the share of requests whose greedy tokens differ between the
+    two on the same prompts (the second run of those hits the prefix cache)."""
     from jaxengine import LLM, SamplingParams  # after JAX's GPU start-up (see build_random_bamba)
+
+    config = VERIFY_CONFIG if method == "ngram" else draft_config(model_dir)
 
     llm = LLM(model_dir, dtype="bfloat16", kernels=kernels, max_model_len=spec.max_model_len,
               max_num_seqs=spec.decode_batch, max_num_batched_tokens=spec.step_tokens, warm_up=False,
-              compilation_cache_dir=None, speculative_config=VERIFY_CONFIG)
+              compilation_cache_dir=None, speculative_config=config)
     engine = llm.engine
-    ngram = engine.draft
+    drafter = engine.draft
     params = SamplingParams(max_tokens=spec.decode_tokens, temperature=0.0, ignore_eos=True)
     vocab = spec.bamba["vocab_size"]
 
     def run(drafts: bool, seed: int) -> tuple[float, list[list[int]]]:
-        engine.draft = ngram if drafts else (lambda seq, limit: [])
+        engine.draft = drafter if drafts else (lambda seq, limit: [])
         prompts = periodic_prompts(spec.decode_batch, spec.decode_prompt_len, vocab, seed)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -770,13 +779,17 @@ def verify_row(model_dir: Path, kernels: str, spec: EngineSpec) -> Row:
     length = 1 + accepted / verifies if verifies else 1.0
     recompiles = engine.runner.num_compiled_steps() - compiled  # drafts depend on the tokens: may be > 0
     return Row(
-        "engine", f"engine verify b{spec.decode_batch}", "pass" if mismatch <= FIRST_TOKEN_TOL and verifies else "fail",
+        "engine", verify_name(method, spec), "pass" if mismatch <= FIRST_TOKEN_TOL and verifies else "fail",
         error=mismatch, tol=FIRST_TOKEN_TOL, kernel=speeds[True], reference=speeds[False], unit="tok/s",
-        note=f"k=3 ngram, acceptance {accepted / drafted if drafted else 0:.2f}, mean accepted length {length:.2f}"
+        note=f"k=3 {method}, acceptance {accepted / drafted if drafted else 0:.2f}, mean accepted length {length:.2f}"
              + (f", {recompiles} steps compiled while timed" if recompiles else ""),
-        details={"config": VERIFY_CONFIG, "kernels": kernels, "verifies": verifies, "drafted": drafted,
+        details={"config": config, "kernels": kernels, "verifies": verifies, "drafted": drafted,
                  "accepted": accepted, "recompiles": recompiles},
     )
+
+
+def verify_name(method: str, spec: EngineSpec) -> str:
+    return f"engine verify b{spec.decode_batch}" + ("" if method == "ngram" else f" {method}")
 
 
 def decode_floor_tokens_per_s(spec: EngineSpec, sizes: ModelSizes, roofline: Roofline) -> float:
@@ -865,10 +878,10 @@ def engine_report(
 
 def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, interpret: bool) -> list[Row]:
     spec = plan.engine
-    verify = f"engine verify b{spec.decode_batch}"
+    methods = ("ngram", "draft_model")
     if not deadline.allows(plan.engine_build_s + plan.engine_mode_s):
         skipped = engine_report(spec, ModelSizes(0, 0, 0, 0), {"auto": SKIPPED, "reference": SKIPPED}, roofline)
-        return [*skipped, Row("engine", verify, SKIPPED)]
+        return [*skipped, *(Row("engine", verify_name(m, spec), SKIPPED) for m in methods)]
     modes = {"auto": "pallas-interpret-gpu" if interpret else "auto", "reference": "reference"}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
@@ -888,10 +901,12 @@ def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, inter
             status = runs[label] if isinstance(runs[label], str) else "done"
             log(deadline, f"engine kernels={kernels}: {status}")
         rows = engine_report(spec, sizes, runs, roofline)
-        if deadline.allows(plan.engine_mode_s):
-            rows += guarded("engine", verify, verify_row, model_dir, modes["auto"], spec)
-        else:
-            rows.append(Row("engine", verify, SKIPPED))
+        for method in methods:
+            if deadline.allows(plan.engine_mode_s):
+                rows += guarded("engine", verify_name(method, spec), verify_row, model_dir, modes["auto"], spec, method)
+                gc.collect()
+            else:
+                rows.append(Row("engine", verify_name(method, spec), SKIPPED))
     return rows
 
 

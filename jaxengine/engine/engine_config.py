@@ -143,20 +143,24 @@ class EngineConfig:
             return checkpoint_policy.DENSE, "the default for models with recurrent layers"
         return checkpoint_policy.SPARSE, "the model has no recurrent layers, so there are no checkpoints"
 
-    def block_bytes(self, model: ModelConfig) -> int:
+    def block_bytes(self, model: ModelConfig, draft: ModelConfig | None = None) -> int:
         """Bytes of one cache block: one KV page of every attention layer and MTP layer (for
-        a model without attention layers, one recurrent layer's checkpoint state)."""
+        a model without attention layers, one recurrent layer's checkpoint state), and the
+        same of a draft model's (its pools lie in blocks of the same indices)."""
+        if draft is not None:
+            return self.block_bytes(model) + self.block_bytes(draft)
         if model.num_attention_layers:
             a = model.attention
             return 2 * self.page_size * a.num_kv_heads * a.head_dim * self.dtype_bytes * model.num_kv_layers
         return recurrent_block_elems(model, self.dtype) * self.dtype_bytes
 
-    def resolved_num_cache_blocks(self, model: ModelConfig, blocks_per_checkpoint: int) -> int:
+    def resolved_num_cache_blocks(self, model: ModelConfig, blocks_per_checkpoint: int,
+                                  draft: ModelConfig | None = None) -> int:
         """Blocks in the cache pool, the null block included."""
         if self.num_cache_blocks is not None:
             return self.num_cache_blocks
         if self.kv_cache_memory_bytes is not None:
-            return max(2, self.kv_cache_memory_bytes // self.block_bytes(model))
+            return max(2, self.kv_cache_memory_bytes // self.block_bytes(model, draft))
         running = self.max_num_seqs * math.ceil(self.resolved_max_model_len(model) / self.page_size)
         if not model.num_attention_layers:
             running = 0

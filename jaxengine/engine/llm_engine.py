@@ -18,6 +18,7 @@ from jaxengine.cache.hit_value import ModelCosts
 from jaxengine.cache.live_slots import LiveSlots
 from jaxengine.cache.prefix_cache import PrefixCache
 from jaxengine.engine.batch_builder import BatchBuilder, Shape
+from jaxengine.engine.draft_model import load_draft
 from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.interrupts import deferred_interrupts
 from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -27,7 +28,7 @@ from jaxengine.engine.sampler import PromptLogprobs
 from jaxengine.engine.sampling_params import SamplingParams, is_int
 from jaxengine.engine.scheduler import ScheduledStep, Scheduler
 from jaxengine.engine.sequence import Sequence, Status
-from jaxengine.engine.speculative import SpecStats, SpeculationGate, accept, ngram_proposal
+from jaxengine.engine.speculative import DRAFTS_IN_STEP, SpecStats, SpeculationGate, accept, ngram_proposal
 from jaxengine.engine.step_store import StepStore
 from jaxengine.engine.tokenizer import load_tokenizer
 from jaxengine.models.config import ModelConfig, checkpoint_dtype, load_model_config
@@ -57,8 +58,10 @@ class LLMEngine:
         if config.dtype == "float16" and declared.num_recurrent_layers:
             raise ValueError("engine argument dtype='float16' is not supported for models with recurrent layers "
                              "(their float32 states would not fit float16 checkpoints); use bfloat16 or float32")
-        self.speculative = config.speculative()
-        self.uses_mtp = uses_mtp = self.speculative is not None and self.speculative.method == "mtp"
+        self.speculative = spec = config.speculative()
+        uses_mtp = spec is not None and spec.method == "mtp"
+        # The model's step drafts for the next one (the MTP module or the draft model).
+        self.drafts_in_step = spec is not None and spec.method in DRAFTS_IN_STEP
         if uses_mtp and not declared.mtp_layers:
             raise ValueError(f"engine argument speculative_config.method='mtp': {self.model_dir / 'config.json'} "
                              f"declares no MTP module (mtp_num_hidden_layers)")
@@ -71,22 +74,30 @@ class LLMEngine:
                 f"engine argument max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={cfg.max_position_embeddings} ({self.model_dir / 'config.json'})"
             )
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_draft(spec.model, cfg, dtype=config.dtype, kernels=config.kernels,
+                               max_model_len=self.max_model_len)
+        self.draft_config = draft[0] if draft else None
         if config.max_logprobs > cfg.vocab_size:
             raise ValueError(f"engine argument max_logprobs={config.max_logprobs} exceeds the vocabulary ({cfg.vocab_size})")
         caching = config.enable_prefix_caching
-        layout = store_layout(cfg, config.page_size, jax.tree.leaves(params)[0].dtype)
-        blocks_per_checkpoint = layout.blocks_per_checkpoint if layout else 0
+        dtype = jax.tree.leaves(params)[0].dtype
+        # A checkpoint spans the blocks the target's state needs, or the draft model's if more.
+        layouts = [store_layout(c, config.page_size, dtype) for c in (cfg, self.draft_config) if c is not None]
+        blocks_per_checkpoint = max((layout.blocks_per_checkpoint for layout in layouts if layout), default=0)
+        self.block_bytes = config.block_bytes(cfg, self.draft_config)
         self.retention_interval, why = config.resolved_retention_interval(cfg)
         if config.gpu_memory_utilization is not None:
             self.config = config = dataclasses.replace(
                 config, gpu_memory_utilization=None, kv_cache_memory_bytes=self._device_pool_bytes(cfg))
-        num_blocks = config.resolved_num_cache_blocks(cfg, blocks_per_checkpoint if caching else 0)
+        num_blocks = config.resolved_num_cache_blocks(cfg, blocks_per_checkpoint if caching else 0, self.draft_config)
         cache = PrefixCache(
             BlockPool(num_blocks),
             page_size=config.page_size,
             has_kv=bool(cfg.num_attention_layers),
             checkpoint_blocks=blocks_per_checkpoint,
-            value=self._costs(cfg, params, blocks_per_checkpoint).value_fn(),
+            value=self._costs(cfg, [params, draft[2] if draft else None], blocks_per_checkpoint).value_fn(),
             enabled=caching,
         )
         k = self.speculative.num_speculative_tokens if self.speculative else 0
@@ -95,7 +106,8 @@ class LLMEngine:
         self.gate = SpeculationGate() if self.speculative and self.speculative.adaptive else None
         self.drafting = self.speculative is not None
         # (sequence, at most) -> drafts
-        self.draft: Callable[[Sequence, int], list[int]] = (lambda seq, limit: seq.mtp_drafts) if uses_mtp else self._ngram_draft
+        self.draft: Callable[[Sequence, int], list[int]] = (
+            (lambda seq, limit: seq.step_drafts) if self.drafts_in_step else self._ngram_draft)
         slots = LiveSlots(config.resolved_num_ssm_slots()) if cfg.num_recurrent_layers else None
         if slots is not None and slots.num_live < 2 + k:
             raise ValueError(f"engine argument num_ssm_slots={slots.num_live} is below the {2 + k} slots one sequence "
@@ -106,7 +118,8 @@ class LLMEngine:
             page_size=config.page_size,
             num_slots=slots.num_slots if slots else 2,
             num_logprobs=config.max_logprobs,
-            num_mtp_drafts=k if uses_mtp else 0,
+            num_step_drafts=k if self.drafts_in_step else 0,
+            draft=draft,
             store=StepStore(cache_dir),
             kernels=config.kernels,
         )
@@ -137,7 +150,7 @@ class LLMEngine:
                 "prefix cache: retention %s (prefix_cache_retention_interval=%r, %s); one checkpoint = %d blocks "
                 "of %d bytes in a pool of %d blocks",
                 checkpoint_policy.describe_interval(self.retention_interval), self.retention_interval, why,
-                blocks_per_checkpoint, config.block_bytes(cfg), num_blocks,
+                blocks_per_checkpoint, self.block_bytes, num_blocks,
             )
         self.requests: dict[str, Sequence] = {}  # unfinished ones, by request id
         self._id_lock = threading.Lock()
@@ -157,19 +170,22 @@ class LLMEngine:
                         "the pool gets its default size", jax.devices()[0].platform)
             return None
         slots = self.config.resolved_num_ssm_slots() if cfg.num_recurrent_layers else 0
-        slot_bytes = sum(state_bytes(arrays, jnp.dtype(self.config.dtype)) for arrays in recurrent_states(cfg))
+        models = [m for m in (cfg, self.draft_config) if m is not None]
+        dtype = jnp.dtype(self.config.dtype)
+        slot_bytes = sum(state_bytes(arrays, dtype) for m in models for arrays in recurrent_states(m))
         budget = int(self.config.gpu_memory_utilization * stats["bytes_limit"]) - stats.get("bytes_in_use", 0)
         budget -= slots * slot_bytes
-        if budget < 2 * self.config.block_bytes(cfg):
+        if budget < 2 * self.config.block_bytes(cfg, self.draft_config):
             raise ValueError(f"engine argument gpu_memory_utilization={self.config.gpu_memory_utilization} leaves "
                              f"no room for the cache pool ({stats.get('bytes_in_use', 0)} bytes in use of "
                              f"{stats['bytes_limit']})")
         return budget
 
     def _costs(self, cfg: ModelConfig, params, blocks_per_checkpoint: int) -> ModelCosts:
-        """What the prefix cache weighs hits by (`hit_value.py`)."""
+        """What the prefix cache weighs hits by (`hit_value.py`); `params`: the target's and the
+        draft model's (whose work a hit saves too)."""
         a = cfg.attention
-        block_bytes = self.config.block_bytes(cfg)
+        block_bytes = self.block_bytes
         return ModelCosts(
             num_weights=sum(x.size for x in jax.tree.leaves(params)),
             attention_width=cfg.num_attention_layers * a.num_heads * a.head_dim if a else 0,
@@ -350,8 +366,8 @@ class LLMEngine:
         return drafts
 
     def _may_draft_next(self, num_seqs: int) -> bool:
-        """Whether the next step may verify drafts (the MTP module then drafts in this one;
-        not in a step the gate runs plain to time it)."""
+        """Whether the next step may verify drafts (the MTP module or draft model then drafts
+        in this one; not in a step the gate runs plain to time it)."""
         if self.gate is None:
             return self.drafting
         return not self.gate.retiming and self.gate.may_open_next(num_seqs)
@@ -368,7 +384,7 @@ class LLMEngine:
             raise RuntimeError("nothing could be scheduled although requests are pending")
         self._note_pool_use()
         shape = self._shape_for(scheduled)
-        drafting_next = self.uses_mtp and self._may_draft_next(shape.num_seqs)  # the MTP module drafts in this step
+        drafting_next = self.drafts_in_step and self._may_draft_next(shape.num_seqs)  # this step drafts for the next
         batch, sampling = self.builder.build(scheduled, shape, drafting=drafting_next)
         start = time.perf_counter()
         out = self.runner.sample(batch, sampling, decode=shape.decode)
@@ -381,7 +397,7 @@ class LLMEngine:
         want_logprobs = any(s.params.logprobs is not None for s in scheduled.seqs)
         if want_logprobs:
             chosen, top_lp, top_ids, ranks = (np.asarray(a) for a in (out.logprob, out.top_logprobs, out.top_ids, out.rank))
-        mtp_drafts = np.asarray(out.drafts) if drafting_next else None  # [S, k]: the MTP module's
+        step_drafts = np.asarray(out.drafts) if drafting_next else None  # [S, k]: the MTP module's or draft model's
         now = time.perf_counter()
         width = tokens.shape[1]
         updated, finished, kept = [], [], []
@@ -404,8 +420,8 @@ class LLMEngine:
                 if seq.finish_reason is not None:
                     break  # tokens past a stop are dropped
             kept[-1] = row - first_row  # drafts now computed; the last token appended is the pending one
-            if self.uses_mtp:
-                seq.mtp_drafts = mtp_drafts[i].tolist() if drafting_next else []
+            if self.drafts_in_step:
+                seq.step_drafts = step_drafts[i].tolist() if drafting_next else []
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self._release_followers(seq)
@@ -449,7 +465,7 @@ class LLMEngine:
         sched = self.scheduler
         cache, slots = sched.cache, sched.slots
         asked = sched.stats.tokens_asked
-        block_bytes = self.config.block_bytes(self.model_config)
+        block_bytes = self.block_bytes
         c = cache.counters
         return {
             "prefix_caching": self.config.enable_prefix_caching,

@@ -18,6 +18,7 @@ from jaxengine.engine.step_executables import StepExecutables
 from jaxengine.engine.step_store import StepStore
 from jaxengine.models.batch import Pools, StepBatch
 from jaxengine.models.config import ModelConfig
+from jaxengine.models.draft_chain import draft_model_drafts
 from jaxengine.models.kernels import kernel_ops
 from jaxengine.models.mtp import mtp_drafts
 
@@ -34,28 +35,39 @@ def _model_step(
 def _sample_step(
     graphdef: nnx.GraphDef,
     treedef: PyTreeDef,
+    draft_graphdef: nnx.GraphDef | None,
+    draft_treedef: PyTreeDef | None,
     param_leaves: list,
+    draft_leaves: list,
     pools: Pools,
+    draft_pools: Pools | None,
     batch: StepBatch,
     sampling: SamplingBatch,
     *,
     decode: bool,
     num_logprobs: int,
-    num_mtp_drafts: int,
-) -> tuple[SampleOutput, Pools]:
+    num_step_drafts: int,
+) -> tuple[SampleOutput, Pools | None, Pools]:
     """One engine step: forward, then sample each sequence's sample rows on device (and the
-    prompt log-probabilities of the tokens `sampling.next_ids` asks for); with an MTP module,
-    its drafts for the next step."""
+    prompt log-probabilities of the tokens `sampling.next_ids` asks for); with an MTP module
+    or a draft model, `num_step_drafts` drafts per sequence for the next step."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
     h, pools = model(pools, batch, decode=decode, hidden=True)  # [T, D]
     out = sample_tokens(model.head(h[sampling.sample_rows.reshape(-1)]), sampling, num_logprobs)
     out = dataclasses.replace(out, prompt=prompt_logprobs(model.head, h, sampling.next_ids, num_logprobs))
     if model.mtp is not None:
         drafts, pools = mtp_drafts(model, pools, batch, sampling.sample_rows, sampling.num_drafts,
-                                   sampling.following_ids, sampling.wants_drafts, h, out.tokens, num_mtp_drafts,
+                                   sampling.following_ids, sampling.wants_drafts, h, out.tokens, num_step_drafts,
                                    kernel_ops(model.kernels))
         out = dataclasses.replace(out, drafts=drafts)
-    return out, pools
+    if draft_graphdef is not None:
+        draft = nnx.merge(draft_graphdef, jax.tree.unflatten(draft_treedef, draft_leaves))
+        drafts, draft_pools = draft_model_drafts(draft, draft_pools, batch, sampling.sample_rows, sampling.num_drafts,
+                                                 sampling.wants_drafts, out.tokens, num_step_drafts, decode)
+        out = dataclasses.replace(out, drafts=drafts)
+    # The pools in the order jit flattens the (keyword) arguments: it gives each donated
+    # input buffer to the first output of its shape, and a draft may have the target's shapes.
+    return out, draft_pools, pools
 
 
 def enable_compilation_cache(directory: str | Path) -> None:
@@ -79,7 +91,8 @@ class ModelRunner:
         page_size: int,
         num_slots: int,
         num_logprobs: int = 20,
-        num_mtp_drafts: int = 0,
+        num_step_drafts: int = 0,
+        draft: tuple[ModelConfig, nnx.GraphDef, nnx.State] | None = None,
         mesh: Mesh | None = None,
         store: StepStore | None = None,
         kernels: str = "auto",
@@ -87,43 +100,50 @@ class ModelRunner:
         self.cfg = cfg
         # What the compiled step bakes in besides its argument shapes: the model's settings
         # (norm epsilons, multipliers, routing, ...) and the kernels its graph calls.
-        self._baked = repr((cfg, kernels))
+        self._baked = repr((cfg, draft[0] if draft else None, kernels))
         self.page_size = page_size
         self.num_logprobs = num_logprobs
-        self.num_mtp_drafts = num_mtp_drafts  # drafts per sequence the MTP module makes each step (with one)
+        # Drafts per sequence the MTP module or the draft model makes each step (with one).
+        self.num_step_drafts = num_step_drafts
         self.mesh = mesh or Mesh(np.array(jax.devices()[:1]), ("model",))
         dtype = jax.tree.leaves(params)[0].dtype
         # The steps are jitted here with the model's structure bound, and take the parameters
         # as a flat list: hashing the graph definition and flattening the parameter tree on
         # every call cost milliseconds of host time per step.
-        placed = jax.device_put(params, NamedSharding(self.mesh, PartitionSpec()))
-        self.param_leaves, treedef = jax.tree.flatten(placed)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.param_leaves, treedef = jax.tree.flatten(jax.device_put(params, replicated))
         bound = dict(graphdef=graphdef, treedef=treedef)
         self.model_step = jax.jit(
             functools.partial(_model_step, **bound), static_argnames=("decode", "all_logits"), donate_argnames=("pools",)
         )
+        # The draft model's parameters and pools (its pools: blocks and slots of the target's indices).
+        self.draft_leaves, draft_treedef = jax.tree.flatten(jax.device_put(draft[2], replicated)) if draft else ([], None)
         self.sample_step = jax.jit(
-            functools.partial(_sample_step, **bound), static_argnames=("decode", "num_logprobs", "num_mtp_drafts"), donate_argnames=("pools",)
+            functools.partial(_sample_step, **bound, draft_graphdef=draft[1] if draft else None,
+                              draft_treedef=draft_treedef),
+            static_argnames=("decode", "num_logprobs", "num_step_drafts"), donate_argnames=("pools", "draft_pools"),
         )
-        self._allocate = functools.partial(
-            allocate_pools, cfg, num_blocks=num_blocks, page_size=page_size, num_slots=num_slots, dtype=dtype,
-            mesh=self.mesh,
-        )
+        sizes = dict(num_blocks=num_blocks, page_size=page_size, num_slots=num_slots, dtype=dtype, mesh=self.mesh)
+        self._allocate = functools.partial(allocate_pools, cfg, **sizes)
+        self._allocate_draft = functools.partial(allocate_pools, draft[0], **sizes) if draft else lambda: None
         self.pools = self._allocate()
+        self.draft_pools = self._allocate_draft()
         # The pools' shapes and shardings, to compile against while the pools themselves are
         # donated to running steps.
-        self.pool_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.pools)
+        self.pool_specs, self.draft_pool_specs = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), (self.pools, self.draft_pools))
         # One executable per step shape, compiled (or loaded from `store`) ahead of its first
         # step, and called directly: no tracing, no dispatch through the jit's cache.
         self.steps = StepExecutables(self._lower, self._file_key, store or StepStore(None))
 
     def pools_lost(self) -> bool:
         """Whether the pools were donated to a step that did not hand new ones back."""
-        return any(leaf.is_deleted() for leaf in jax.tree.leaves(self.pools))
+        return any(leaf.is_deleted() for leaf in jax.tree.leaves((self.pools, self.draft_pools)))
 
     def reset_pools(self) -> None:
         """Fresh zero pools (after `pools_lost`): everything they held is gone."""
         self.pools = self._allocate()
+        self.draft_pools = self._allocate_draft()
 
     def logits(self, batch: StepBatch, *, decode: bool = False, all_logits: bool = False) -> jax.Array:
         """Runs one step and returns float32 logits (every token's when `all_logits`)."""
@@ -134,14 +154,17 @@ class ModelRunner:
 
     def sample(self, batch: StepBatch, sampling: SamplingBatch, *, decode: bool) -> SampleOutput:
         """Runs one step and samples each sequence's next token on device."""
-        out, self.pools = self.run_executable(self.executable(batch, sampling, decode=decode), batch, sampling)
+        executable = self.executable(batch, sampling, decode=decode)
+        out, self.draft_pools, self.pools = self.run_executable(executable, batch, sampling)
         return out
 
     def run_executable(
         self, executable: jax.stages.Compiled, batch: StepBatch, sampling: SamplingBatch
-    ) -> tuple[SampleOutput, Pools]:
-        """Runs a step executable on the current pools (donating them) and returns the new ones."""
-        return executable(param_leaves=self.param_leaves, pools=self.pools, batch=batch, sampling=sampling)
+    ) -> tuple[SampleOutput, Pools | None, Pools]:
+        """Runs a step executable on the current pools (donating them) and returns the new
+        ones (the draft model's, then the target's)."""
+        return executable(param_leaves=self.param_leaves, draft_leaves=self.draft_leaves, pools=self.pools,
+                          draft_pools=self.draft_pools, batch=batch, sampling=sampling)
 
     def executable(self, batch: StepBatch, sampling: SamplingBatch, *, decode: bool) -> jax.stages.Compiled:
         """The step executable for this batch's shape: ready, loaded from the store, or compiled."""
@@ -149,15 +172,16 @@ class ModelRunner:
 
     def _lower(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Lowered:
         return self.sample_step.lower(**self._step_args(batch, sampling), decode=decode, num_logprobs=self.num_logprobs,
-                                      num_mtp_drafts=self.num_mtp_drafts)
+                                      num_step_drafts=self.num_step_drafts)
 
     def _file_key(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> str:
-        static = dict(decode=decode, num_logprobs=self.num_logprobs, num_mtp_drafts=self.num_mtp_drafts,
+        static = dict(decode=decode, num_logprobs=self.num_logprobs, num_step_drafts=self.num_step_drafts,
                       model=self._baked)
         return self.steps.store.key(static, *self._step_args(batch, sampling).values())
 
     def _step_args(self, batch: StepBatch, sampling: SamplingBatch) -> dict:
-        return dict(param_leaves=self.param_leaves, pools=self.pool_specs, batch=batch, sampling=sampling)
+        return dict(param_leaves=self.param_leaves, draft_leaves=self.draft_leaves, pools=self.pool_specs,
+                    draft_pools=self.draft_pool_specs, batch=batch, sampling=sampling)
 
     def num_compiled_steps(self) -> int:
         """How many step executables this runner has compiled or loaded (for recompile checks)."""

@@ -63,7 +63,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] = dataclasses.field(default_factory=lambda: [None])
     cumulative_logprob: float = 0.0  # of its chosen tokens (kept when logprobs are asked)
-    mtp_drafts: list[int] = dataclasses.field(default_factory=list)  # the MTP module's drafts for its next step
+    step_drafts: list[int] = dataclasses.field(default_factory=list)  # drafts its last step made for its next (mtp, draft_model)
 
     @property
     def num_output_tokens(self) -> int:

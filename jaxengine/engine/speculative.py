@@ -11,6 +11,9 @@ with the probability the target gives it and a rejection leaves the target's own
 deterministic draft (one token per position, as ngram's) this is the standard rejection rule
 (accept with min(1, p/q), q one-hot; otherwise draw from the normalised max(0, p - q)), and
 seeded outputs are the same tokens with and without speculation.
+
+The `mtp` and `draft_model` methods draft inside the step (`models/mtp.py`,
+`models/draft_chain.py`): greedily, so deterministic drafts too, for the step after.
 """
 
 import dataclasses
@@ -18,7 +21,7 @@ import dataclasses
 import numpy as np
 
 METHODS = ("ngram", "draft_model", "mtp")
-IMPLEMENTED = ("ngram", "mtp")
+DRAFTS_IN_STEP = ("mtp", "draft_model")  # methods whose drafts the model's step makes for the next one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +33,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     adaptive: bool = True  # jaxengine's: speculate only while it pays (`SpeculationGate`)
+    model: str | None = None  # draft_model: the draft's directory
 
     @classmethod
     def parse(cls, raw: dict, max_num_batched_tokens: int) -> "SpeculativeConfig":
@@ -44,8 +48,11 @@ class SpeculativeConfig:
         method = raw.get("method")
         if method not in METHODS:
             raise ValueError(f"{where}.method must be one of {', '.join(METHODS)}, got {method!r}")
-        if method not in IMPLEMENTED:
-            raise ValueError(f"{where}.method={method!r} is not implemented yet (implemented: {', '.join(IMPLEMENTED)})")
+        model = raw.get("model")
+        if method == "draft_model" and not isinstance(model, str):
+            raise ValueError(f"{where}.model must be the draft model's directory for method 'draft_model', got {model!r}")
+        if method != "draft_model" and model is not None:
+            raise ValueError(f"{where}.model is only read by method 'draft_model', not {method!r}")
         k = raw.get("num_speculative_tokens")
         if not _is_positive_int(k):
             raise ValueError(f"{where}.num_speculative_tokens must be a positive integer, got {k!r}")
@@ -66,7 +73,7 @@ class SpeculativeConfig:
         adaptive = raw.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"{where}.adaptive must be true or false, got {adaptive!r}")
-        return cls(method, k, lookup_max, lookup_min, adaptive)
+        return cls(method, k, lookup_max, lookup_min, adaptive, model)
 
 
 def _is_positive_int(value) -> bool:

@@ -28,7 +28,7 @@ def assert_no_step_copies_a_pool(engine, decode: bool) -> None:
     """Compiles the step of one sequence (where XLA turns the slot gather into a dynamic slice)
     and of four, and looks for copies among the instructions of the pools' shapes."""
     runner = engine.runner
-    pools = jax.tree.leaves(runner.pools)
+    pools = jax.tree.leaves((runner.pools, runner.draft_pools))  # a draft model's too
     pool_shapes = {tuple(p.shape) for p in pools}
     shapes = [
         min((s for s in engine.shapes() if s.decode == decode and s.num_seqs == n), key=lambda s: s.num_tokens)

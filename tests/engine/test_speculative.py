@@ -62,10 +62,12 @@ def _poison_unread_slots(llm: LLM) -> None:
         update(step, kept)
         bad = [s for seq in engine.scheduler.running for s in seq.owned_slots if s != seq.read_slot]
         if bad:
-            pools = engine.runner.pools
             idx = jnp.asarray(bad)
-            states = tuple(tuple(a.at[idx].set(jnp.nan) for a in layer) for layer in pools.states)
-            engine.runner.pools = dataclasses.replace(pools, states=states)
+            for name in ("pools", "draft_pools"):  # the target's, and a draft model's
+                pools = getattr(engine.runner, name)
+                if pools is not None:
+                    states = tuple(tuple(a.at[idx].set(jnp.nan) for a in layer) for layer in pools.states)
+                    setattr(engine.runner, name, dataclasses.replace(pools, states=states))
 
     engine.scheduler.update = poisoned
 
@@ -189,7 +191,8 @@ def test_ngram_proposal_continues_the_latest_longest_match():
      "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": -1}, "prompt_lookup_max"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
-    ({"method": "draft_model", "model": "/nowhere", "num_speculative_tokens": 2}, "not implemented"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "model": "/nowhere", "num_speculative_tokens": 2}, "model"),
     ("ngram", "mapping"),
 ])
 def test_bad_speculative_config_is_refused_before_loading(config, field, tmp_path):

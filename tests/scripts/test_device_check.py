@@ -20,7 +20,7 @@ KERNEL_ROWS = [
 ]
 ON_GPU = jax.default_backend() == "gpu"
 ENGINE_ROWS = ["engine decode b4", "engine prefill 4x8", "engine load / first runs", "engine first tokens auto vs ref",
-               "engine verify b4"]
+               "engine verify b4", "engine verify b4 draft_model"]
 
 
 def _run(tmp_path: Path, *argv: str) -> tuple[int, dict]:
@@ -50,9 +50,12 @@ def test_quick_run_checks_kernels_and_engine(tmp_path, capsys):
     assert decode["reference"]["kernels"] == "reference"
     assert decode["auto"]["recompiles"] == 0 and decode["reference"]["recompiles"] == 0
     assert rows["engine first tokens auto vs ref"]["status"] == "pass"
-    verify = rows["engine verify b4"]
-    assert verify["status"] == "pass" and verify["details"]["verifies"] > 0  # recompiles: reported only (drafts
-    # depend on the model's tokens, so the untimed runs may not reach every verify shape)
+    for name in ENGINE_ROWS[-2:]:
+        verify = rows[name]
+        assert verify["status"] == "pass" and verify["details"]["verifies"] > 0  # recompiles: reported only (drafts
+        # depend on the model's tokens, so the untimed runs may not reach every verify shape)
+    draft = rows["engine verify b4 draft_model"]["details"]
+    assert draft["accepted"] >= 0.9 * draft["drafted"]  # the model drafting for itself (bfloat16: near-ties may differ)
     # The table comes last: its header, then one line per row.
     lines = capsys.readouterr().out.rstrip().splitlines()
     assert lines[-len(rows) - 1].startswith("check") and lines[-1].startswith("engine verify")
@@ -96,7 +99,7 @@ def test_engine_report_when_a_mode_did_not_run():
     auto = device_check.EngineRun("auto", 1.0, 9.0, 400.0, 300.0, 2000.0, 0, [[1, 2, 3], [4, 5, 6]], [7, 8])
     roofline = device_check.Roofline(bandwidth=1e9, matmul_rate=1e12)
     rows = device_check.engine_report(spec, sizes, {"auto": auto, "reference": "skipped (time)"}, roofline)
-    assert [r.name for r in rows] == ENGINE_ROWS[:-1]  # the verify row comes from its own run
+    assert [r.name for r in rows] == ENGINE_ROWS[:-2]  # the verify rows come from runs of their own
     decode = rows[0]
     assert decode.status == "ok" and decode.kernel == 400.0 and decode.reference is None and decode.speedup is None
     assert decode.note == "reference: skipped (time)" and decode.kernel_floor_pct > 0
