@@ -1,7 +1,7 @@
 """Model configuration: one frozen dataclass that every supported architecture maps onto.
 
-A model is a stack of layers, each with an optional *mixer* (attention, Mamba2 or Gated
-DeltaNet) and an optional *feed-forward* (gated MLP, squared-ReLU MLP, or mixture of experts), both pre-norm
+A model is a stack of layers, each with an optional *mixer* (attention, Mamba2, Gated
+DeltaNet or a short convolution) and an optional *feed-forward* (gated MLP, squared-ReLU MLP, or mixture of experts), both pre-norm
 residual branches. The per-architecture functions below read a Hugging Face config and fill
 this table; the model code only ever sees `ModelConfig`.
 """
@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from transformers import AutoConfig, PretrainedConfig
 
-Mixer = Literal["attention", "mamba", "gated_delta"]  # the types of `jaxengine/models/mixers.py`
+Mixer = Literal["attention", "mamba", "gated_delta", "short_conv"]  # the types of `jaxengine/models/mixers.py`
 FeedForward = Literal["mlp", "moe"]
 
 
@@ -104,6 +104,16 @@ class GatedDeltaConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShortConvConfig:
+    """LFM2's short-convolution mixer: a depthwise causal conv of `conv_kernel` taps over
+    `channels` (the hidden size), gated before and after; `bias` on its projections and conv."""
+
+    channels: int
+    conv_kernel: int
+    bias: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class MlpConfig:
     """A dense feed-forward: gated (`act(gate) * up`) or plain (`act(up)`)."""
 
@@ -152,6 +162,7 @@ class ModelConfig:
     mlp: MlpConfig | None
     moe: MoeConfig | None
     gated_delta: GatedDeltaConfig | None = None
+    short_conv: ShortConvConfig | None = None
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
@@ -471,6 +482,39 @@ def _qwen3_5_moe(hf: PretrainedConfig) -> ModelConfig:
     return _qwen_gated_delta(hf, "Qwen3_5MoeForCausalLM")
 
 
+def _lfm2_mlp_width(hf: PretrainedConfig) -> int:
+    """LFM2's feed-forward width: `intermediate_size`, or with `block_auto_adjust_ff_dim` two
+    thirds of it, times `block_ffn_dim_multiplier` and rounded up to `block_multiple_of`."""
+    width = hf.intermediate_size
+    if hf.block_auto_adjust_ff_dim:
+        width = int(2 * width / 3)
+        if hf.block_ffn_dim_multiplier is not None:
+            width = int(hf.block_ffn_dim_multiplier * width)
+            width = hf.block_multiple_of * math.ceil(width / hf.block_multiple_of)
+    return width
+
+
+def _lfm2(hf: PretrainedConfig) -> ModelConfig:
+    """LFM2: short-convolution and attention layers (per-head q/k norm), each with a gated
+    SiLU MLP; the final norm is the one transformers calls `embedding_norm`."""
+    arch = "Lfm2ForCausalLM"
+    table = {"conv": "short_conv", "full_attention": "attention"}
+    for t in hf.layer_types:
+        if t not in table:
+            _fail(arch, "layer_types", t, ", ".join(table))
+    attention = dataclasses.replace(_attention(hf, arch, use_rope=True), qk_norm=True)
+    return ModelConfig(
+        **_common(hf, arch),
+        layers=tuple(LayerSpec(table[t], "mlp") for t in hf.layer_types),
+        rms_norm_eps=hf.norm_eps,
+        attention=attention if "full_attention" in hf.layer_types else None,
+        mamba=None,
+        mlp=MlpConfig(_lfm2_mlp_width(hf), "silu", gated=True, bias=False),
+        moe=None,
+        short_conv=ShortConvConfig(hf.hidden_size, hf.conv_L_cache, bool(hf.conv_bias)),
+    )
+
+
 def _text_model(text_architecture: str) -> Callable[[PretrainedConfig], ModelConfig]:
     """A vision-language checkpoint served as its text model (`text_config`); whether the
     output projection is tied is the outer config's say, as in transformers."""
@@ -494,6 +538,7 @@ ARCHITECTURES: dict[str, Callable[[PretrainedConfig], ModelConfig]] = {
     "Qwen3NextForCausalLM": _qwen3_next,
     "Qwen3_5ForCausalLM": _qwen3_5,
     "Qwen3_5MoeForCausalLM": _qwen3_5_moe,
+    "Lfm2ForCausalLM": _lfm2,
     "Qwen3_5ForConditionalGeneration": _text_model("Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForConditionalGeneration": _text_model("Qwen3_5MoeForCausalLM"),
 }

@@ -18,6 +18,7 @@ from jaxengine.models.config import ModelConfig
 from jaxengine.models.gated_delta import GatedDeltaMixer, gated_delta_state
 from jaxengine.models.mamba2 import Mamba2Mixer, mamba2_state
 from jaxengine.models.mixer_state import StateArray
+from jaxengine.models.short_conv import ShortConvMixer, short_conv_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,7 @@ MIXERS: dict[str, MixerType] = {
     "attention": MixerType(Attention, lambda cfg: cfg.attention, None),
     "mamba": MixerType(Mamba2Mixer, lambda cfg: cfg.mamba, mamba2_state),
     "gated_delta": MixerType(GatedDeltaMixer, lambda cfg: cfg.gated_delta, gated_delta_state),
+    "short_conv": MixerType(ShortConvMixer, lambda cfg: cfg.short_conv, short_conv_state),
 }
 
 

@@ -17,8 +17,9 @@ SMALL_POOL_WITH_ATTENTION = 1 + 120
 # One architecture per kind of layer stack the cache serves: attention only, Mamba2 only,
 # Mamba2 with attention (Bamba; Granite's models differ only in their feed-forwards and
 # multipliers), Nemotron-H's mixer-only layers, Gated DeltaNet with gated attention (Qwen3.5;
-# Qwen3-Next and Qwen3.5-MoE differ only in their feed-forwards and projection layout).
-CACHING_ARCHS = ("llama", "mamba2", "bamba", "nemotron_h", "qwen3_5")
+# Qwen3-Next and Qwen3.5-MoE differ only in their feed-forwards and projection layout), and
+# short convolutions, whose state is only a conv window, with attention (LFM2).
+CACHING_ARCHS = ("llama", "mamba2", "bamba", "nemotron_h", "qwen3_5", "lfm2")
 FAST_ARCHS = ("llama", "bamba")  # the others run with `-m slow`
 
 

@@ -18,8 +18,9 @@ ARGS = dict(max_model_len=384, page_size=4, max_num_seqs=4, max_num_batched_toke
 K = 3
 # Always drafting (not `adaptive`), so every test verifies drafts whatever the step times.
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1, "adaptive": False}
-# Attention only, Mamba2 with attention, Gated DeltaNet with gated attention.
-ARCHS = ("llama", "bamba", "qwen3_5")
+# Attention only, Mamba2 with attention, Gated DeltaNet with gated attention, short convs
+# with attention.
+ARCHS = ("llama", "bamba", "qwen3_5", "lfm2")
 
 
 def _prompts() -> list[list[int]]:

@@ -38,7 +38,7 @@ from tests.models.tiny_mtp import add_tiny_mtp
 PROMPT = random_prompt(29, seed=1)
 SUPPORTED = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
              "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
-             "Qwen3_5MoeForConditionalGeneration")
+             "Qwen3_5MoeForConditionalGeneration", "Lfm2ForCausalLM")
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +234,24 @@ def test_unsupported_field_value_is_named(bamba_copy, edit, message):
     edit_config(bamba_copy, edit)
     with pytest.raises(ValueError, match=message):
         load_model(bamba_copy)
+
+
+def test_lfm2_unsupported_layer_type_is_named(tmp_path):
+    save_tiny_model("lfm2", tmp_path)
+    edit_config(tmp_path, lambda c: c.update(layer_types=["conv", "sliding_attention", "conv"]))
+    with pytest.raises(ValueError, match=r"Lfm2ForCausalLM: unsupported value layer_types='sliding_attention'; "
+                                         r"supported: conv, full_attention"):
+        load_model(tmp_path)
+
+
+def test_lfm2_feed_forward_width_is_auto_adjusted(tmp_path):
+    """intermediate_size=128 -> int(2 * 128 / 3) = 85, rounded up to block_multiple_of=16: 96
+    (what transformers builds: the checkpoint's w1 has 96 rows)."""
+    model = save_tiny_model("lfm2", tmp_path)
+    assert model.model.layers[0].feed_forward.w1.weight.shape[0] == 96
+    assert load_model_config(tmp_path).mlp.intermediate_size == 96
+    edit_config(tmp_path, lambda c: c.update(block_auto_adjust_ff_dim=False))
+    assert load_model_config(tmp_path).mlp.intermediate_size == 128
 
 
 def test_unsupported_dtypes_are_rejected(bamba):

@@ -7,7 +7,7 @@ torch is cheap and jaxengine compiles quickly.
 
 Hugging Face's initialisation makes a poor test model, so `perturb_` changes it (seeded):
   * constants hide transposition and indexing bugs: norm weights (1, or 0 where zero-centred),
-    `D` (1), conv biases and Nemotron-H's router correction bias (0) get noise;
+    `D` (1), conv and projection biases and Nemotron-H's router correction bias (0) get noise;
   * the SSM would barely remember anything: `A_log = log(1..H)` and time steps of
     0.001..0.1 make the state's contribution vanish next to the local `D` skip, so bugs in
     carrying state across chunks, steps or decode would not show. `A_log` and `dt_bias` are
@@ -31,6 +31,8 @@ from transformers import (
     BambaForCausalLM,
     GraniteMoeHybridConfig,
     GraniteMoeHybridForCausalLM,
+    Lfm2Config,
+    Lfm2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Mamba2Config,
@@ -52,7 +54,7 @@ from transformers import (
 # Every supported architecture as transformers saves it; "qwen3_5_vl" (a released Qwen3.5
 # checkpoint's layout, the text model inside a vision-language one) is built too.
 ARCHS = ("llama", "mamba2", "bamba", "granite_moe", "granite_dense", "nemotron_h", "qwen3_next", "qwen3_5",
-         "qwen3_5_moe")
+         "qwen3_5_moe", "lfm2")
 VOCAB_SIZE = 128
 CHUNK_SIZE = 8  # Mamba2 chunk size: small, so short prompts span several chunks
 MAX_POSITIONS = 512  # room for the engine tests' longer prompts
@@ -136,6 +138,12 @@ def tiny_config(arch: str, *, tie: bool = False) -> tuple[type[PreTrainedModel],
         return Qwen3_5ForCausalLM, Qwen3_5TextConfig(**common, **_QWEN, intermediate_size=96)
     if arch == "qwen3_5_moe":
         return Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**common, **_QWEN, **_QWEN_MOE)
+    if arch == "lfm2":  # short convs around an attention layer, biases on, the MLP width auto-adjusted (to 96)
+        return Lfm2ForCausalLM, Lfm2Config(
+            **common, **_ATTENTION, intermediate_size=128, num_hidden_layers=3,
+            layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, conv_bias=True, block_multiple_of=16,
+            max_position_embeddings=MAX_POSITIONS,
+        )
     if arch == "qwen3_5_vl":  # a released checkpoint's layout: the text model inside a vision-language one
         vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=4,
                       temporal_patch_size=1, spatial_merge_size=1)
@@ -152,7 +160,7 @@ def _perturbed(name: str, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor 
         return A_LOG_MEAN + NOISE_SCALE * noise
     if leaf == "dt_bias":
         return NOISE_SCALE * noise
-    if name.endswith("conv1d.bias"):
+    if name.endswith(("conv1d.bias", "conv.conv.bias", "_proj.bias")):
         return CONV_BIAS_SCALE * noise
     if leaf in ("D", "e_score_correction_bias") or "norm" in name or name.endswith(("gate.weight", "router.weight")):
         return t + NOISE_SCALE * noise
