@@ -98,12 +98,42 @@ def scan_rows(cu_seqlens: jax.Array, start_pos: jax.Array, num_tokens: int, chun
     )
 
 
-def final_states(rows: ScanRows, chunk_states: jax.Array, init_states: jax.Array) -> jax.Array:
-    """[S, H, P, N] float32: each sequence's state after its last row; its initial state if empty.
+class RowGrid(NamedTuple):
+    """Where each flat token sits in the [R, chunk_size] grid of a scan's rows."""
 
-    chunk_states: [R, H, P, N] float32; init_states: [S, H, P, N].
+    rows: ScanRows
+    row: jax.Array  # [T] int32: the token's row; R (out of range) for padding
+    col: jax.Array  # [T] int32: its column, position % chunk_size
+    valid: jax.Array  # [T] bool
+    chunk_size: int
+
+    def place(self, values: jax.Array) -> jax.Array:
+        """[T, H, ...] -> [R, H, chunk_size, ...] (H: any one axis), padding and empty cells zero."""
+        num_rows, chunk = self.rows.chunk_seq.shape[0], self.chunk_size
+        values = jnp.where(self.valid.reshape(-1, *[1] * (values.ndim - 1)), values, 0)
+        out = jnp.zeros((num_rows, chunk, *values.shape[1:]), values.dtype)
+        return jnp.swapaxes(out.at[self.row, self.col].set(values, mode="drop"), 1, 2)
+
+    def take(self, grid: jax.Array) -> jax.Array:
+        """[R, H, chunk_size, ...] -> [T, H, ...], zero for padding."""
+        out = grid[jnp.clip(self.row, 0, grid.shape[0] - 1), :, self.col]
+        return jnp.where(self.valid.reshape(-1, *[1] * (out.ndim - 1)), out, 0.0)
+
+
+def row_grid(cu_seqlens: jax.Array, start_pos: jax.Array, num_tokens: int, chunk_size: int) -> RowGrid:
+    rows = scan_rows(cu_seqlens, start_pos, num_tokens, chunk_size)  # one row per (sequence, absolute chunk)
+    seq, local, valid = token_segments(cu_seqlens, num_tokens)
+    token_row = jnp.searchsorted(rows.row_start, jnp.arange(num_tokens), side="right") - 1
+    row = jnp.where(valid, token_row, rows.chunk_seq.shape[0])
+    return RowGrid(rows, row, (start_pos[seq] + local) % chunk_size, valid, chunk_size)
+
+
+def final_states(rows: ScanRows, chunk_states: jax.Array, init_states: jax.Array) -> jax.Array:
+    """[S, ...] float32: each sequence's state after its last row; its initial state if empty.
+
+    chunk_states: [R, ...] float32; init_states: [S, ...].
     """
-    has_tokens = (rows.seq_len > 0)[:, None, None, None]
+    has_tokens = (rows.seq_len > 0).reshape(-1, *[1] * (chunk_states.ndim - 1))
     return jnp.where(has_tokens, chunk_states[rows.last_row], init_states.astype(jnp.float32))
 
 

@@ -5,9 +5,11 @@ ignored, every request producing exactly ``--max-tokens`` tokens. By default the
 built here with seeded random weights and saved with ``save_pretrained`` to a temporary
 directory: ``--arch bamba`` (the default) a ~35M-parameter ``BambaForCausalLM`` (attention +
 Mamba2), ``--arch qwen3_5`` a ~30M-parameter ``Qwen3_5ForCausalLM`` (Gated DeltaNet + gated
-attention, 3:1, Qwen3.5's head ratios); ``--model DIR`` benchmarks an existing model
-directory instead. transformers runs Qwen3.5's Gated DeltaNet with its PyTorch fallback
-(what it does without the flash-linear-attention package, e.g. on any CPU).
+attention, 3:1, Qwen3.5's head ratios), ``--arch jamba`` a ~32M-parameter
+``JambaForCausalLM`` (Mamba-1 + attention, 3:1, two MoE layers of 4 experts, top 2);
+``--model DIR`` benchmarks an existing model directory instead. transformers runs Qwen3.5's
+Gated DeltaNet and Jamba's selective scan with its PyTorch fallbacks (what it does without
+the flash-linear-attention and mamba-ssm packages, e.g. on any CPU).
 
 For each batch size the script reports output tokens/s of both and their ratio, the time
 to first token, the time per decode step, and the decode floor: the bytes of weights a
@@ -69,6 +71,8 @@ from transformers import (
     AutoModelForCausalLM,
     BambaConfig,
     BambaForCausalLM,
+    JambaConfig,
+    JambaForCausalLM,
     PreTrainedModel,
     Qwen3_5ForCausalLM,
     Qwen3_5TextConfig,
@@ -185,7 +189,31 @@ def qwen3_5_config() -> Qwen3_5TextConfig:
     )
 
 
-ARCHS = {"bamba": (BambaForCausalLM, bamba_config), "qwen3_5": (Qwen3_5ForCausalLM, qwen3_5_config)}
+def jamba_config() -> JambaConfig:
+    """6 Mamba-1 and 2 attention layers (attention at 2 and 6); Mamba-1 over 1024 channels,
+    state 16, dt rank 32; MLP width 768, MoE (4 experts of 768, top 2) at layers 1 and 5."""
+    return JambaConfig(
+        **{**_COMMON, "intermediate_size": 768},
+        attn_layer_period=4,
+        attn_layer_offset=2,
+        expert_layer_period=4,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=32,
+    )
+
+
+ARCHS = {
+    "bamba": (BambaForCausalLM, bamba_config),
+    "qwen3_5": (Qwen3_5ForCausalLM, qwen3_5_config),
+    "jamba": (JambaForCausalLM, jamba_config),
+}
 
 
 @torch.no_grad()
@@ -197,7 +225,7 @@ def build_random_model(path: Path, arch: str) -> None:
     gen = torch.Generator().manual_seed(SEED)
     for name, p in model.named_parameters():
         noise = 0.3 * torch.randn(p.shape, generator=gen)
-        if name.endswith("dt_bias"):
+        if name.endswith(("dt_bias", "dt_proj.bias")):
             p.copy_(DT_BIAS + noise)
         elif name.endswith("A_log"):
             p.copy_(noise)  # A = -exp(A_log) ~ -1 for every head
@@ -236,6 +264,14 @@ def model_summary(config: transformers.PretrainedConfig) -> dict[str, Any]:
         "linear_num_value_heads",
         "linear_key_head_dim",
         "linear_value_head_dim",
+        "attn_layer_period",
+        "attn_layer_offset",
+        "expert_layer_period",
+        "expert_layer_offset",
+        "num_experts",
+        "num_experts_per_tok",
+        "mamba_expand",
+        "mamba_dt_rank",
     )
     summary = {"architecture": type(config).__name__.removesuffix("Config")}
     return summary | {f: getattr(config, f) for f in fields if hasattr(config, f)}

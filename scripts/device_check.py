@@ -15,7 +15,9 @@ What it measures:
      4k). The ragged SSD scan (head dim 64, state 128, chunk 256): a prefill batch of
      4 x 2048 tokens (two continuing at positions 256 and 1000) with bf16 inputs and 128
      heads, the same with float32 inputs and 64 heads, and a decode-ish batch (64
-     sequences of 1-8 tokens at positions up to 8000; 128 heads in 8 groups).
+     sequences of 1-8 tokens at positions up to 8000; 128 heads in 8 groups). The ragged
+     Mamba-1 selective scan (Jamba-Mini's 8192 channels, state 16, chunk 64): the same
+     prefill and decode-ish batches with bf16 inputs.
      Correctness: max abs error against the reference run at float32 matmul precision
      (XLA may use TF32 for float32 dots by default), within the tolerances below.
      Timing: median of 20 runs after a warm-up, each waited for with block_until_ready;
@@ -50,7 +52,7 @@ probabilities and the output to bf16; see tests/pallas_kernels); queries are sca
 softmax is peaked and a wrong page or mask moves outputs by O(1). SSD: 5e-4 of each
 output's largest magnitude (y, final states, states of used chunk rows; the kernel tests
 allow 1e-4 at small shapes, here a value sums up to 256 x 128 products), and the row
-layout exactly. Engine: at most 25% of requests may differ in their first greedy token
+layout exactly; the selective scan the same. Engine: at most 25% of requests may differ in their first greedy token
 (bf16 rounding can only flip near-ties, which the random lm_head makes rare by spreading
 the logits to a std of ~4.5; a broken kernel changes almost every token).
 
@@ -87,6 +89,8 @@ import numpy as np
 
 from pallas_kernels.ragged_paged_attention import kernel_gpu as attention_gpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+from pallas_kernels.selective_scan import kernel_gpu as selective_gpu
+from pallas_kernels.selective_scan.reference import ragged_selective_scan
 from pallas_kernels.ssd import kernel_gpu as ssd_gpu
 from pallas_kernels.ssd.reference import RaggedScanOutput, ragged_ssd_scan
 
@@ -135,6 +139,18 @@ class SsdCase:
 
 
 @dataclasses.dataclass(frozen=True)
+class SelectiveCase:
+    name: str
+    lengths: tuple[int, ...]  # tokens per sequence
+    start_pos: tuple[int, ...]  # absolute position of each sequence's first token
+    num_pad: int
+    channels: int
+    state_size: int
+    chunk_size: int
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineSpec:
     decode_batch: int  # also max_num_seqs
     decode_prompt_len: int  # decode_batch * decode_prompt_len == step_tokens: one prefill step
@@ -158,6 +174,7 @@ class Plan:
     kernel_repeats: int
     attention: tuple[AttentionCase, ...]
     ssd: tuple[SsdCase, ...]
+    selective: tuple[SelectiveCase, ...]
     engine: EngineSpec
     kernel_case_s: float  # time a kernel case may take (for the deadline)
     engine_build_s: float
@@ -175,6 +192,7 @@ def full_plan() -> Plan:
     mixed_kv = (512, 1024, 3000, 4096) + _lengths(rng, 60, 1024, 4096)
     mixed_q = (512, 256, 128, 64) + (1,) * 60
     ssd = dict(head_dim=64, state_size=128, chunk_size=256)
+    selective = dict(channels=8192, state_size=16, chunk_size=64, dtype="bfloat16")
     prefill = dict(lengths=(2048,) * 4, start_pos=(0, 0, 256, 1000), num_pad=0)
     decodeish = dict(lengths=_lengths(rng, 64, 1, 8), start_pos=_lengths(rng, 64, 0, 8000), num_pad=16)
     bamba = dict(
@@ -208,6 +226,10 @@ def full_plan() -> Plan:
             SsdCase("ssd prefill f32", num_heads=64, num_groups=1, dtype="float32", **prefill, **ssd),
             SsdCase("ssd decode-ish bf16", num_heads=128, num_groups=8, dtype="bfloat16", **decodeish, **ssd),
         ),
+        selective=(
+            SelectiveCase("selective prefill bf16", **prefill, **selective),
+            SelectiveCase("selective decode-ish bf16", **decodeish, **selective),
+        ),
         engine=EngineSpec(
             decode_batch=64,
             decode_prompt_len=32,
@@ -228,6 +250,7 @@ def quick_plan() -> Plan:
     """Tiny shapes with the same structure, for a smoke run (interpret mode on CPU)."""
     heads = dict(q_heads=8, kv_heads=2, head_dim=32)
     ssd = dict(num_heads=2, num_groups=1, head_dim=64, state_size=32, chunk_size=64)
+    selective = dict(channels=256, state_size=16, chunk_size=16, dtype="bfloat16")
     bamba = dict(
         vocab_size=256,
         hidden_size=64,
@@ -258,6 +281,10 @@ def quick_plan() -> Plan:
             SsdCase("ssd prefill bf16", (40, 30), (0, 50), 0, dtype="bfloat16", **ssd),
             SsdCase("ssd prefill f32", (40, 30), (0, 50), 0, dtype="float32", **ssd),
             SsdCase("ssd decode-ish bf16", (1, 3, 2, 1), (0, 63, 64, 150), 5, dtype="bfloat16", **ssd),
+        ),
+        selective=(
+            SelectiveCase("selective prefill bf16", (40, 30), (0, 50), 0, **selective),
+            SelectiveCase("selective decode-ish bf16", (1, 3, 2, 1), (0, 63, 64, 150), 5, **selective),
         ),
         engine=EngineSpec(
             decode_batch=4,
@@ -477,7 +504,7 @@ def ssd_inputs(case: SsdCase) -> tuple[jax.Array, ...]:
     return (*draw(random_key()), jnp.asarray(cu_seqlens), jnp.asarray(case.start_pos, jnp.int32))
 
 
-def ssd_rows(case: SsdCase) -> list[int]:
+def ssd_rows(case: SsdCase | SelectiveCase) -> list[int]:
     """Tokens of each (sequence, absolute chunk) row."""
     rows = []
     for length, start in zip(case.lengths, case.start_pos):
@@ -502,10 +529,43 @@ def ssd_cost(case: SsdCase) -> tuple[float, float]:
     return num_bytes, flops
 
 
+def selective_inputs(case: SelectiveCase) -> tuple[jax.Array, ...]:
+    """x, dt, A, B, C, init_states, cu_seqlens, start_pos; dt in [1e-3, 0.1], A in [-16, -1]."""
+    num_tokens = sum(case.lengths) + case.num_pad
+    d, n = case.channels, case.state_size
+    dtype, f32 = jnp.dtype(case.dtype), jnp.float32
+
+    @jax.jit  # one compile, and drawn on the device
+    def draw(key: jax.Array) -> tuple[jax.Array, ...]:
+        kx, kdt, ka, kb, kc, ks = jax.random.split(key, 6)
+        return (
+            jax.random.normal(kx, (num_tokens, d), dtype),
+            jnp.exp(jax.random.uniform(kdt, (num_tokens, d), f32, math.log(1e-3), math.log(0.1))),
+            -jnp.exp(jax.random.uniform(ka, (d, n), f32, 0.0, math.log(16.0))),
+            jax.random.normal(kb, (num_tokens, n), dtype),
+            jax.random.normal(kc, (num_tokens, n), dtype),
+            jax.random.normal(ks, (len(case.lengths), d, n), f32),
+        )
+
+    cu_seqlens = np.concatenate([[0], np.cumsum(case.lengths)]).astype(np.int32)
+    return (*draw(random_key()), jnp.asarray(cu_seqlens), jnp.asarray(case.start_pos, jnp.int32))
+
+
+def selective_cost(case: SelectiveCase) -> tuple[float, float]:
+    """(bytes, FLOPs): inputs and init states read, y, row and final states written once;
+    per token and state entry a decay (one exp), a write and an output term (~6 FLOPs)."""
+    itemsize = jnp.dtype(case.dtype).itemsize
+    d, n = case.channels, case.state_size
+    num_tokens, num_seqs, rows = sum(case.lengths) + case.num_pad, len(case.lengths), ssd_rows(case)
+    inputs = num_tokens * (d * itemsize + d * 4 + 2 * n * itemsize)
+    num_bytes = inputs + num_tokens * d * 4 + (2 * num_seqs + len(rows)) * d * n * 4
+    return num_bytes, 6 * num_tokens * d * n
+
+
 def ssd_checks(got: RaggedScanOutput, want: RaggedScanOutput) -> list[Check]:
     """y, final states and the states of used rows within SSD_RTOL of their magnitude; the
-    row layout exactly."""
-    used = (want.chunk_seq < want.final_states.shape[0])[:, None, None, None]
+    row layout exactly. (The selective scan's outputs have the same fields.)"""
+    used = (want.chunk_seq < want.final_states.shape[0]).reshape(-1, *[1] * (want.chunk_states.ndim - 1))
     pairs = {
         "y": (got.y, want.y),
         "final_states": (got.final_states, want.final_states),
@@ -578,9 +638,20 @@ def ssd_row(case: SsdCase, roofline: Roofline | None, repeats: int, interpret: b
     return row
 
 
+def selective_row(case: SelectiveCase, roofline: Roofline | None, repeats: int, interpret: bool) -> Row:
+    static = dict(chunk_size=case.chunk_size)
+    kernel = jax.jit(functools.partial(selective_gpu.ragged_selective_scan, **static, interpret=interpret))
+    reference = jax.jit(functools.partial(ragged_selective_scan, **static))
+    args = selective_inputs(case)
+    row = kernel_row(case.name, kernel, reference, args, ssd_checks, selective_cost(case), roofline, repeats)
+    row.details["case"] = dataclasses.asdict(case)
+    return row
+
+
 def kernel_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, interpret: bool) -> list[Row]:
-    cases: list[tuple[AttentionCase | SsdCase, Callable[..., Row]]] = [(c, attention_row) for c in plan.attention]
+    cases: list[tuple[Any, Callable[..., Row]]] = [(c, attention_row) for c in plan.attention]
     cases += [(c, ssd_row) for c in plan.ssd]
+    cases += [(c, selective_row) for c in plan.selective]
     rows = []
     for case, check in cases:
         if deadline.allows(plan.kernel_case_s):

@@ -13,16 +13,20 @@ from jaxengine.models.layers import RMSNorm, apply_rope, linear
 class Attention(nnx.Module):
     """Projects (q_proj: each head's query, then its gate with `output_gate`), normalises
     each head's q and k (`qk_norm`), rotates, writes this step's K/V into its pages, attends
-    over each sequence's pages with ragged paged attention and gates the output."""
+    over each sequence's pages with ragged paged attention and gates the output.
 
-    def __init__(self, hidden_size: int, cfg: AttentionConfig, eps: float, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    `out_size`: the output projection's width when it is not the input's (Zamba2's shared
+    block attends over width 2 * hidden and returns width hidden)."""
+
+    def __init__(self, hidden_size: int, cfg: AttentionConfig, eps: float, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 out_size: int | None = None):
         self.cfg = cfg
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q_out = 2 * q_width if cfg.output_gate else q_width
         self.q_proj = linear(hidden_size, q_out, bias=cfg.bias, dtype=dtype, rngs=rngs)
         self.k_proj = linear(hidden_size, kv_width, bias=cfg.bias, dtype=dtype, rngs=rngs)
         self.v_proj = linear(hidden_size, kv_width, bias=cfg.bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(q_width, hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(q_width, out_size or hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs)
         if cfg.qk_norm:
             norm = dict(dtype=dtype, weight_offset=cfg.qk_norm_offset)
             self.q_norm = RMSNorm(cfg.head_dim, eps, **norm)
@@ -36,21 +40,30 @@ class Attention(nnx.Module):
         batch: StepBatch,
         layout: TokenLayout,
         ops: KernelOps,
+        deltas: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, D], new k_pages, new v_pages
-        q, gate, k, v = self.project(x, layout.positions)
+        q, gate, k, v = self.project(x, layout.positions, deltas)
         k_pages, v_pages = ops.write_kv_pages(k_pages, v_pages, k, v, layout.slot_mapping)
         return self.attend(q, gate, k_pages, v_pages, batch, ops), k_pages, v_pages
 
-    def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
-        """x [T, D] at `positions` [T] -> rotated q [T, H, d], its gate (or None), rotated k and v [T, Hkv, d]."""
+    def project(
+        self, x: jax.Array, positions: jax.Array, deltas: tuple[jax.Array, jax.Array, jax.Array] | None = None
+    ) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
+        """x [T, D] at `positions` [T] -> rotated q [T, H, d], its gate (or None), rotated k and v [T, Hkv, d].
+
+        `deltas`, when given, are added to the q, k and v projections ([T, H * d], [T, Hkv * d]
+        twice: low-rank adapters' outputs, `shared_block.py`)."""
         cfg = self.cfg
         num_tokens = x.shape[0]
-        q = self.q_proj(x).reshape(num_tokens, cfg.num_heads, -1)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if deltas is not None:
+            q, k, v = q + deltas[0], k + deltas[1], v + deltas[2]
+        q = q.reshape(num_tokens, cfg.num_heads, -1)
         gate = None
         if cfg.output_gate:
             q, gate = jnp.split(q, 2, axis=-1)  # [T, H, head_dim] each
-        k = self.k_proj(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.rotary_dim:

@@ -1,8 +1,9 @@
 """Model configuration: one frozen dataclass that every supported architecture maps onto.
 
-A model is a stack of layers, each with an optional *mixer* (attention, Mamba2, Gated
-DeltaNet or a short convolution) and an optional *feed-forward* (gated MLP, squared-ReLU MLP, or mixture of experts), both pre-norm
-residual branches. The per-architecture functions below read a Hugging Face config and fill
+A model is a stack of layers, each with an optional *mixer* (attention, Mamba2, Mamba-1,
+Gated DeltaNet or a short convolution; Falcon-H1 runs two side by side) and an optional
+*feed-forward* (gated MLP, squared-ReLU MLP, or mixture of experts), both pre-norm residual
+branches. The per-architecture functions below read a Hugging Face config and fill
 this table; the model code only ever sees `ModelConfig`.
 """
 
@@ -15,16 +16,31 @@ from typing import Any, Literal
 
 from transformers import AutoConfig, PretrainedConfig
 
-Mixer = Literal["attention", "mamba", "gated_delta", "short_conv"]  # the types of `jaxengine/models/mixers.py`
+Mixer = Literal["attention", "mamba", "mamba1", "gated_delta", "short_conv"]  # the types of `jaxengine/models/mixers.py`
 FeedForward = Literal["mlp", "moe"]
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """What one decoder layer holds; `None` means the branch is absent."""
+    """What one decoder layer holds; `None` means the branch is absent. `parallel` is a second
+    mixer on the same normed input, its output added to the first's (Falcon-H1's attention
+    beside its Mamba2)."""
 
     mixer: Mixer | None
     ffn: FeedForward | None
+    parallel: Mixer | None = None
+    shared_block: int | None = None  # Zamba2: the shared transformer block run first (`shared_block.py`)
+
+    @property
+    def mixers(self) -> tuple[Mixer, ...]:
+        """The layer's mixers, in the order their caches are laid out."""
+        return tuple(m for m in (self.mixer, self.parallel) if m is not None)
+
+    @property
+    def num_kv_uses(self) -> int:
+        """The sets of KV pages the layer writes: one per attention mixer and one for its use
+        of a shared block."""
+        return self.mixers.count("attention") + (self.shared_block is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +65,10 @@ class AttentionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MambaConfig:
-    """A Mamba2 (SSD) mixer."""
+    """A Mamba2 (SSD) mixer. `gated_norm` is the output's gate and RMS norm (over `n_groups`
+    groups): "gate_first" norms `y * silu(z)` (Mamba2, Bamba), "norm_first" gates the normed
+    `y`, "none" only gates (Falcon-H1 without `mamba_rms_norm`). `proj_bias` is the input
+    projection's bias, `out_proj_bias` the output's."""
 
     num_heads: int
     head_dim: int
@@ -60,6 +79,9 @@ class MambaConfig:
     time_step_limit: tuple[float, float]
     conv_bias: bool
     proj_bias: bool
+    out_proj_bias: bool
+    gated_norm: Literal["gate_first", "norm_first", "none"] = "gate_first"
+    norm_eps: float | None = None  # the gated norm's epsilon; None: the model's rms_norm_eps
 
     @property
     def intermediate_size(self) -> int:
@@ -68,6 +90,23 @@ class MambaConfig:
     @property
     def conv_dim(self) -> int:
         return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Mamba1Config:
+    """A Mamba-1 (selective scan) mixer: per-channel states of `state_size` over
+    `intermediate_size` channels, a `dt_rank` step-size projection, and with `bcdt_norms`
+    RMS norms on dt, B and C (Jamba). `chunk_size` is the scan's, not the model's: any value
+    gives the same outputs."""
+
+    intermediate_size: int
+    state_size: int
+    conv_kernel: int
+    dt_rank: int
+    conv_bias: bool
+    proj_bias: bool
+    bcdt_norms: bool
+    chunk_size: int = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +157,7 @@ class MlpConfig:
     """A dense feed-forward: gated (`act(gate) * up`) or plain (`act(up)`)."""
 
     intermediate_size: int
-    activation: Literal["silu", "relu2"]
+    activation: Literal["silu", "relu2", "gelu"]
     gated: bool
     bias: bool
 
@@ -133,18 +172,49 @@ class MoeConfig:
     `router="sigmoid_grouped"`: Nemotron-H's sigmoid scores, bias-corrected group-limited
     selection, optionally renormalised, times `routed_scaling_factor`.
     `shared_gate`: the shared expert's output is multiplied by sigmoid(x . w) (Qwen).
+    `shared=None`: no shared expert (Jamba).
     """
 
     num_experts: int
     top_k: int
     expert: MlpConfig
-    shared: MlpConfig
+    shared: MlpConfig | None
     router: Literal["softmax_topk", "softmax", "sigmoid_grouped"]
     shared_gate: bool = False
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedBlockConfig:
+    """Zamba2's shared transformer blocks: `num_blocks` of them, used in turn by the layers
+    whose `LayerSpec.shared_block` names one. A block is attention (`ModelConfig.attention`)
+    over the RMS-normed concat(hidden, input embeddings) of width 2 * hidden, then the gated
+    MLP (`ModelConfig.mlp`) over the normed attention output. Each use adds its own low-rank
+    adapters (rank `adapter_rank`) to the MLP's gate | up and, with `attention_adapters`, to
+    q, k and v, and projects the block's output with its own linear."""
+
+    num_blocks: int
+    adapter_rank: int
+    attention_adapters: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MupMultipliers:
+    """Falcon-H1's muP multipliers on its projections' inputs and outputs. The loader folds
+    them into the projection weights and biases (`loader.py`); the model code never sees
+    them. `ssm` scales the Mamba2 input projection's columns z | x | B | C | dt."""
+
+    attention_in: float
+    key: float
+    attention_out: float
+    ssm_in: float
+    ssm: tuple[float, float, float, float, float]
+    ssm_out: float
+    mlp_gate: float
+    mlp_down: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +233,7 @@ class ModelConfig:
     moe: MoeConfig | None
     gated_delta: GatedDeltaConfig | None = None
     short_conv: ShortConvConfig | None = None
+    mamba1: Mamba1Config | None = None
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
@@ -170,23 +241,26 @@ class ModelConfig:
     norm_weight_offset: float = 0.0  # 1.0: zero-centred norm weights, scale by 1 + w (Qwen3-Next, Qwen3.5)
     max_position_embeddings: int = 4096
     eos_token_ids: tuple[int, ...] = ()
+    mup: MupMultipliers | None = None  # folded into the weights at load
+    shared_block: SharedBlockConfig | None = None
     # The multi-token-prediction module's decoder layers (full attention; `mtp.py`), when the
     # checkpoint has one and speculative decoding uses it; () otherwise.
     mtp_layers: tuple[LayerSpec, ...] = ()
 
     @property
     def num_attention_layers(self) -> int:
-        return sum(spec.mixer == "attention" for spec in self.layers)
+        """The sets of KV pages of the layers (`LayerSpec.num_kv_uses`)."""
+        return sum(spec.num_kv_uses for spec in self.layers)
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers with KV pages in the cache blocks: the attention layers, then the MTP layers."""
+        """Sets of KV pages in the cache blocks: the layers', then the MTP layers'."""
         return self.num_attention_layers + len(self.mtp_layers)
 
     @property
     def num_recurrent_layers(self) -> int:
         """Layers whose mixer keeps a per-sequence state (every mixer but attention)."""
-        return sum(spec.mixer not in (None, "attention") for spec in self.layers)
+        return sum(m != "attention" for spec in self.layers for m in spec.mixers)
 
 
 def _fail(architecture: str, field: str, value: Any, supported: str) -> None:
@@ -251,6 +325,7 @@ def _bamba_like_mamba(hf: PretrainedConfig, architecture: str) -> MambaConfig:
         time_step_limit=_time_step_limit(hf.time_step_limit or (0.0, math.inf)),
         conv_bias=bool(hf.mamba_conv_bias),
         proj_bias=bool(hf.mamba_proj_bias),
+        out_proj_bias=bool(hf.mamba_proj_bias),
     )
 
 
@@ -301,6 +376,7 @@ def _mamba2(hf: PretrainedConfig) -> ModelConfig:
         time_step_limit=_time_step_limit(hf.time_step_limit or (0.0, math.inf)),
         conv_bias=bool(hf.use_conv_bias),
         proj_bias=bool(hf.use_bias),
+        out_proj_bias=bool(hf.use_bias),
     )
     return ModelConfig(
         **_common(hf, arch),
@@ -391,6 +467,7 @@ def _nemotron_h(hf: PretrainedConfig) -> ModelConfig:
         time_step_limit=(float(hf.time_step_min), math.inf),
         conv_bias=bool(hf.use_conv_bias),
         proj_bias=bool(hf.use_bias),
+        out_proj_bias=bool(hf.use_bias),
     )
     moe = None
     if any(spec.ffn == "moe" for spec in layers):
@@ -515,6 +592,128 @@ def _lfm2(hf: PretrainedConfig) -> ModelConfig:
     )
 
 
+def _jamba(hf: PretrainedConfig) -> ModelConfig:
+    """Jamba: Mamba-1 and attention (no positional embedding) layers by period and offset,
+    each with a gated MLP or, by their own period and offset, a MoE of softmax top-k routing
+    whose weights are not renormalised, without a shared expert."""
+    arch = "JambaForCausalLM"
+    act = _activation(hf, "hidden_act", arch, ("silu",))
+    for field in ("attn_layer_period", "expert_layer_period"):
+        if getattr(hf, field) < 1:
+            _fail(arch, field, getattr(hf, field), "a positive period")
+    mixers = ["attention" if kind == "attention" else "mamba1" for kind in hf.layers_block_type]
+    moe_layers = [n > 1 for n in hf.layers_num_experts]
+    rank = hf.mamba_dt_rank
+    mamba1 = Mamba1Config(
+        intermediate_size=hf.mamba_expand * hf.hidden_size,
+        state_size=hf.mamba_d_state,
+        conv_kernel=hf.mamba_d_conv,
+        dt_rank=math.ceil(hf.hidden_size / 16) if rank == "auto" else int(rank),
+        conv_bias=bool(hf.mamba_conv_bias),
+        proj_bias=bool(hf.mamba_proj_bias),
+        bcdt_norms=True,
+    )
+    mlp = MlpConfig(hf.intermediate_size, act, gated=True, bias=False)
+    moe = None
+    if any(moe_layers):
+        moe = MoeConfig(hf.num_experts, hf.num_experts_per_tok, mlp, None, router="softmax", norm_topk_prob=False)
+    return ModelConfig(
+        **_common(hf, arch),
+        layers=tuple(LayerSpec(m, "moe" if e else "mlp") for m, e in zip(mixers, moe_layers)),
+        rms_norm_eps=hf.rms_norm_eps,
+        attention=_attention(hf, arch, use_rope=False) if "attention" in mixers else None,
+        mamba=None,
+        mlp=mlp if not all(moe_layers) else None,
+        moe=moe,
+        mamba1=mamba1,
+    )
+
+
+def _falcon_h1(hf: PretrainedConfig) -> ModelConfig:
+    """Falcon-H1: every layer runs Mamba2 and attention side by side on the same normed input,
+    then a gated MLP; muP multipliers throughout (`MupMultipliers`)."""
+    arch = "FalconH1ForCausalLM"
+    act = _activation(hf, "hidden_act", arch, ("silu",))
+    for field, size in (("ssm_multipliers", 5), ("mlp_multipliers", 2)):
+        if len(getattr(hf, field)) != size:
+            _fail(arch, field, getattr(hf, field), f"a list of {size} numbers")
+    mamba = _bamba_like_mamba(hf, arch)
+    if mamba.intermediate_size != hf.mamba_d_ssm and hf.mamba_d_ssm is not None:
+        _fail(arch, "mamba_n_heads * mamba_d_head", mamba.intermediate_size, f"mamba_d_ssm = {hf.mamba_d_ssm}")
+    gated_norm = ("norm_first" if hf.mamba_norm_before_gate else "gate_first") if hf.mamba_rms_norm else "none"
+    mamba = dataclasses.replace(mamba, out_proj_bias=bool(hf.projectors_bias), gated_norm=gated_norm)
+    gate, down = (float(v) for v in hf.mlp_multipliers)
+    mup = MupMultipliers(
+        attention_in=float(hf.attention_in_multiplier),
+        key=float(hf.key_multiplier),
+        attention_out=float(hf.attention_out_multiplier),
+        ssm_in=float(hf.ssm_in_multiplier),
+        ssm=tuple(float(v) for v in hf.ssm_multipliers),
+        ssm_out=float(hf.ssm_out_multiplier),
+        mlp_gate=gate,
+        mlp_down=down,
+    )
+    return ModelConfig(
+        **_common(hf, arch),
+        layers=tuple(LayerSpec("mamba", "mlp", parallel="attention") for _ in range(hf.num_hidden_layers)),
+        rms_norm_eps=hf.rms_norm_eps,
+        attention=_attention(hf, arch, use_rope=True),
+        mamba=mamba,
+        mlp=MlpConfig(hf.intermediate_size, act, gated=True, bias=bool(getattr(hf, "mlp_bias", False))),
+        moe=None,
+        embedding_multiplier=float(hf.embedding_multiplier),
+        logits_scaling=1.0 / float(hf.lm_head_multiplier),
+        mup=mup,
+    )
+
+
+def _zamba2(hf: PretrainedConfig) -> ModelConfig:
+    """Zamba2: Mamba2 layers, some of which first run a shared transformer block
+    (`SharedBlockConfig`) and add its projected output to their input."""
+    arch = "Zamba2ForCausalLM"
+    act = _activation(hf, "hidden_act", arch, ("gelu", "silu"))
+    table = {"mamba": "mamba", "linear_attention": "mamba", "hybrid": "hybrid"}
+    for t in hf.layers_block_type:
+        if t not in table:
+            _fail(arch, "layers_block_type", t, ", ".join(table))
+    if hf.use_shared_attention_adapter and hf.num_key_value_heads != hf.num_attention_heads:
+        _fail(arch, "num_key_value_heads", hf.num_key_value_heads,
+              f"num_attention_heads={hf.num_attention_heads} (the attention adapters are as wide as the queries)")
+    layers, uses = [], 0
+    for t in hf.layers_block_type:
+        block = None
+        if table[t] == "hybrid":
+            block, uses = uses % hf.num_mem_blocks, uses + 1
+        layers.append(LayerSpec("mamba", None, shared_block=block))
+    head_dim = hf.attention_head_dim
+    attention = _attention(hf, arch, use_rope=bool(hf.use_mem_rope), head_dim=head_dim)
+    mamba = MambaConfig(
+        num_heads=hf.n_mamba_heads,
+        head_dim=hf.mamba_headdim,
+        state_size=hf.mamba_d_state,
+        n_groups=hf.mamba_ngroups,
+        conv_kernel=hf.mamba_d_conv,
+        chunk_size=hf.chunk_size,
+        # As Nemotron-H's: the reference's chunked scan clamps at time_step_min.
+        time_step_limit=(float(hf.time_step_min), math.inf),
+        conv_bias=True,  # the reference always builds the conv with a bias
+        proj_bias=bool(hf.add_bias_linear),
+        out_proj_bias=bool(hf.add_bias_linear),
+        norm_eps=1e-5,  # fixed in the reference, whatever rms_norm_eps says
+    )
+    return ModelConfig(
+        **_common(hf, arch),
+        layers=tuple(layers),
+        rms_norm_eps=hf.rms_norm_eps,
+        attention=dataclasses.replace(attention, bias=False, sm_scale=(head_dim / 2) ** -0.5),
+        mamba=mamba,
+        mlp=MlpConfig(hf.intermediate_size, act, gated=True, bias=bool(hf.add_bias_linear)),
+        moe=None,
+        shared_block=SharedBlockConfig(min(hf.num_mem_blocks, uses), hf.adapter_rank,
+                                       bool(hf.use_shared_attention_adapter)),
+    )
+
+
 def _text_model(text_architecture: str) -> Callable[[PretrainedConfig], ModelConfig]:
     """A vision-language checkpoint served as its text model (`text_config`); whether the
     output projection is tied is the outer config's say, as in transformers."""
@@ -539,6 +738,9 @@ ARCHITECTURES: dict[str, Callable[[PretrainedConfig], ModelConfig]] = {
     "Qwen3_5ForCausalLM": _qwen3_5,
     "Qwen3_5MoeForCausalLM": _qwen3_5_moe,
     "Lfm2ForCausalLM": _lfm2,
+    "FalconH1ForCausalLM": _falcon_h1,
+    "Zamba2ForCausalLM": _zamba2,
+    "JambaForCausalLM": _jamba,
     "Qwen3_5ForConditionalGeneration": _text_model("Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForConditionalGeneration": _text_model("Qwen3_5MoeForCausalLM"),
 }

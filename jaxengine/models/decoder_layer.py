@@ -6,14 +6,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.models.config import LayerSpec, ModelConfig
-from jaxengine.models.layers import Mlp, Moe, RMSNorm
+from jaxengine.models.layers import Mlp, Moe, RMSNorm, norm_settings
 from jaxengine.models.mixers import MIXERS
-
-
-def norm_settings(cfg: ModelConfig, dtype: jnp.dtype) -> dict:
-    """The keyword arguments of the model's residual-stream RMS norms."""
-    return dict(eps=cfg.rms_norm_eps, dtype=dtype, weight_in_fp32=cfg.norm_weight_in_fp32,
-                weight_offset=cfg.norm_weight_offset)
+from jaxengine.models.shared_block import SharedBlockUse
 
 
 def add_residual(cfg: ModelConfig, h: jax.Array, out: jax.Array) -> jax.Array:
@@ -22,18 +17,22 @@ def add_residual(cfg: ModelConfig, h: jax.Array, out: jax.Array) -> jax.Array:
 
 
 class DecoderLayer(nnx.Module):
-    """`x + r * mixer(norm(x))`, then `x + r * ffn(norm(x))`, each branch when present.
+    """`x + r * mixer(norm(x))`, then `x + r * ffn(norm(x))`, each branch when present; with
+    a parallel mixer, `x + r * (mixer(norm(x)) + parallel(norm(x)))`; with a shared block,
+    `x + r * mixer(norm(x + shared(x)))` (`shared_block.py`; the layer holds its `shared_use`).
 
-    The mixer is the attribute named after its type ("attention", "mamba", ...)."""
+    A mixer is the attribute named after its type ("attention", "mamba", ...)."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.spec = spec
         norm = norm_settings(cfg, dtype)
-        if spec.mixer is not None:
+        if spec.shared_block is not None:
+            self.shared_use = SharedBlockUse(cfg, dtype=dtype, rngs=rngs)
+        if spec.mixers:
             self.mixer_norm = RMSNorm(cfg.hidden_size, **norm)
-            kind = MIXERS[spec.mixer]
-            mixer = kind.module(cfg.hidden_size, kind.config(cfg), cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
-            setattr(self, spec.mixer, mixer)
+        for name in spec.mixers:
+            kind = MIXERS[name]
+            setattr(self, name, kind.module(cfg.hidden_size, kind.config(cfg), cfg.rms_norm_eps, dtype=dtype, rngs=rngs))
         if spec.ffn is not None:
             self.ffn_norm = RMSNorm(cfg.hidden_size, **norm)
         if spec.ffn == "mlp":

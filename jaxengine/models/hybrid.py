@@ -1,9 +1,10 @@
 """The hybrid decoder stack, built from the layer table of a `ModelConfig`.
 
 One class serves every supported architecture: each layer is an optional mixer (any type of
-`mixers.py`) and an optional feed-forward (MLP or MoE), each a pre-norm residual branch
-scaled by `residual_multiplier`. The model knows nothing of scheduling: it takes a `StepBatch` and
-the pools and returns logits and the updated pools.
+`mixers.py`, or two side by side) and an optional feed-forward (MLP or MoE), each a pre-norm
+residual branch scaled by `residual_multiplier`, and may first run one of the model's shared
+blocks (Zamba2, `shared_block.py`). The model knows nothing of scheduling: it takes a
+`StepBatch` and the pools and returns logits and the updated pools.
 """
 
 import jax
@@ -13,12 +14,13 @@ from flax import nnx
 from jaxengine.models.batch import Pools, StepBatch, TokenLayout, token_layout
 from jaxengine.models.checkpoint_store import checkpoint_layout
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.decoder_layer import DecoderLayer, add_residual, norm_settings
+from jaxengine.models.decoder_layer import DecoderLayer, add_residual
 from jaxengine.models.kernels import KernelOps, kernel_ops
-from jaxengine.models.layers import RMSNorm, linear
+from jaxengine.models.layers import RMSNorm, linear, norm_settings
 from jaxengine.models.mixer_state import initial_states, written_pools
 from jaxengine.models.mixers import recurrent_states
 from jaxengine.models.mtp import Mtp
+from jaxengine.models.shared_block import SharedBlock
 
 
 class HybridLM(nnx.Module):
@@ -29,6 +31,9 @@ class HybridLM(nnx.Module):
         self.kernels = kernels
         self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))  # [V, D]
         self.layers = nnx.List([DecoderLayer(cfg, spec, dtype=dtype, rngs=rngs) for spec in cfg.layers])
+        if cfg.shared_block:
+            self.shared_blocks = nnx.List([SharedBlock(cfg, dtype=dtype, rngs=rngs)
+                                           for _ in range(cfg.shared_block.num_blocks)])
         self.final_norm = RMSNorm(cfg.hidden_size, **norm_settings(cfg, dtype))
         if not cfg.tie_word_embeddings:
             self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
@@ -64,27 +69,36 @@ class HybridLM(nnx.Module):
         # step's draft positions (for their live slots).
         num_saves = batch.save_seq.shape[0]
 
-        h = self.embedding(batch.input_ids)
+        h = embeddings = self.embedding(batch.input_ids)
         attn_i = rec_i = 0
         for layer in self.layers:
-            if layer.spec.mixer == "attention":
+            mixed, x = [], h
+            if layer.spec.shared_block is not None:
                 k, v = 2 * attn_i, 2 * attn_i + 1
-                out, store[k], store[v] = layer.attention(layer.mixer_norm(h), store[k], store[v], batch, layout, ops)
+                block = self.shared_blocks[layer.spec.shared_block]
+                added, store[k], store[v] = block(h, embeddings, store[k], store[v], layer.shared_use, batch, layout, ops)
+                x = h + added
                 attn_i += 1
-            elif layer.spec.mixer is not None:
-                restored = ckpts.read(store, batch.restore_blocks, rec_i) if reads else None
-                initial = initial_states(states[rec_i], batch.read_slots, fresh, hit, restored)
-                mixer = getattr(layer, layer.spec.mixer)
-                out, final, saved = mixer(layer.mixer_norm(h), initial, batch, layout, ops, decode)
-                states[rec_i] = written_pools(states[rec_i], batch.write_slots, final)
-                if batch.state_seq.shape[0]:
-                    at_positions = tuple(a[num_saves:] for a in saved)
-                    states[rec_i] = written_pools(states[rec_i], batch.state_slots, at_positions)
-                if num_saves:
-                    ckpts.write(store, batch.save_blocks, rec_i, tuple(a[:num_saves] for a in saved))
-                rec_i += 1
-            if layer.spec.mixer is not None:
-                h = add_residual(cfg, h, out)
+            x = layer.mixer_norm(x) if layer.spec.mixers else None
+            for name in layer.spec.mixers:
+                if name == "attention":
+                    k, v = 2 * attn_i, 2 * attn_i + 1
+                    out, store[k], store[v] = layer.attention(x, store[k], store[v], batch, layout, ops)
+                    attn_i += 1
+                else:
+                    restored = ckpts.read(store, batch.restore_blocks, rec_i) if reads else None
+                    initial = initial_states(states[rec_i], batch.read_slots, fresh, hit, restored)
+                    out, final, saved = getattr(layer, name)(x, initial, batch, layout, ops, decode)
+                    states[rec_i] = written_pools(states[rec_i], batch.write_slots, final)
+                    if batch.state_seq.shape[0]:
+                        at_positions = tuple(a[num_saves:] for a in saved)
+                        states[rec_i] = written_pools(states[rec_i], batch.state_slots, at_positions)
+                    if num_saves:
+                        ckpts.write(store, batch.save_blocks, rec_i, tuple(a[:num_saves] for a in saved))
+                    rec_i += 1
+                mixed.append(out)
+            if mixed:
+                h = add_residual(cfg, h, sum(mixed[1:], mixed[0]))
             h = layer.feed_forward(cfg, h)
 
         pools = pools.with_store(store, tuple(states))

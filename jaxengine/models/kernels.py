@@ -14,8 +14,9 @@ kernel is an entry here.
   kernels="pallas-interpret-gpu"  the GPU kernels in the Pallas interpreter (any machine; slow)
 
 Operations without a kernel use their reference under every setting: the causal conv1d and
-the one-token SSD and gated-delta updates (XLA fuses them well: they move a few columns per
-sequence), and on GPU, for now, the chunked gated-delta scan (it has a TPU kernel only).
+the one-token SSD, gated-delta and selective-scan updates (XLA fuses them well: they move a
+few columns per sequence), and on GPU, for now, the chunked gated-delta scan (it has a TPU
+kernel only).
 
 The reference scans run on a grid of short rows (`REFERENCE_SCAN_ROW` tokens, or the chunk
 size if smaller) rather than whole chunks. Any divisor of the chunk size gives the same
@@ -37,6 +38,9 @@ from pallas_kernels.gated_delta import kernel_tpu as gated_delta_tpu
 from pallas_kernels.ragged_paged_attention import kernel_gpu as attention_gpu
 from pallas_kernels.ragged_paged_attention import kernel_tpu as attention_tpu
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv_pages
+from pallas_kernels.selective_scan import kernel_gpu as selective_gpu
+from pallas_kernels.selective_scan import kernel_tpu as selective_tpu
+from pallas_kernels.selective_scan import ragged_selective_scan, selective_state_update
 from pallas_kernels.ssd import kernel_gpu as ssd_gpu
 from pallas_kernels.ssd import kernel_tpu as ssd_tpu
 from pallas_kernels.ssd import ragged_ssd_scan, ssd_state_update
@@ -69,10 +73,20 @@ def reference_scan(*args, chunk_size: int, **kwargs):
     return ragged_ssd_scan(*args, chunk_size=_reference_row(chunk_size), **kwargs)
 
 
+@functools.wraps(ragged_selective_scan)
+def reference_selective_scan(*args, chunk_size: int, **kwargs):
+    """The reference selective scan on rows of gcd(chunk_size, REFERENCE_SCAN_ROW) tokens."""
+    return ragged_selective_scan(*args, chunk_size=_reference_row(chunk_size), **kwargs)
+
+
 @functools.wraps(ragged_gated_delta)
 def reference_gated_delta(*args, chunk_size: int, **kwargs):
     """The reference gated-delta scan on rows of gcd(chunk_size, REFERENCE_SCAN_ROW) tokens."""
     return ragged_gated_delta(*args, chunk_size=_reference_row(chunk_size), **kwargs)
+
+
+def _gpu_selective_fits(x: jax.Array, dt: jax.Array, A: jax.Array, *args, **kwargs) -> bool:
+    return x.shape[-1] % selective_gpu.CHANNELS == 0 and A.shape[-1] % 8 == 0
 
 
 def _fits_always(*args, **kwargs) -> bool:
@@ -103,6 +117,11 @@ OPS: dict[str, Op] = {
     "causal_conv1d_update": Op(causal_conv1d_update),
     "ragged_gated_delta": Op(reference_gated_delta, gated_delta_tpu.ragged_gated_delta, tpu_fits=_tpu_gated_delta_fits),
     "gated_delta_update": Op(gated_delta_update),
+    "ragged_selective_scan": Op(
+        reference_selective_scan, selective_tpu.ragged_selective_scan, selective_gpu.ragged_selective_scan,
+        gpu_fits=_gpu_selective_fits,
+    ),
+    "selective_state_update": Op(selective_state_update),
 }
 
 

@@ -4,12 +4,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxengine.models.config import MlpConfig, MoeConfig
+from jaxengine.models.config import MlpConfig, ModelConfig, MoeConfig
 
 
 def linear(in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
     """A dense layer whose kernel is `[in, out]` (Hugging Face stores `[out, in]`)."""
     return nnx.Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+def norm_settings(cfg: ModelConfig, dtype: jnp.dtype) -> dict:
+    """The keyword arguments of the model's residual-stream RMS norms."""
+    return dict(eps=cfg.rms_norm_eps, dtype=dtype, weight_in_fp32=cfg.norm_weight_in_fp32,
+                weight_offset=cfg.norm_weight_offset)
 
 
 class RMSNorm(nnx.Module):
@@ -33,19 +39,25 @@ class RMSNorm(nnx.Module):
 
 
 class GatedRMSNorm(nnx.Module):
-    """Mamba2's output norm: gate first (`y * silu(z)`), then RMS over each of `groups` groups."""
+    """Mamba2's output norm, RMS over each of `groups` groups: gate first (`y * silu(z)`,
+    then the norm; Mamba2, Bamba) or, with `norm_first`, the norm then the gate (Falcon-H1's
+    `mamba_norm_before_gate`, in float32 throughout as its reference computes it)."""
 
-    def __init__(self, size: int, groups: int, eps: float, *, dtype: jnp.dtype):
+    def __init__(self, size: int, groups: int, eps: float, *, dtype: jnp.dtype, norm_first: bool = False):
         self.weight = nnx.Param(jnp.ones((size,), dtype))
         self.groups = groups
         self.eps = eps
+        self.norm_first = norm_first
 
     def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:  # [T, I], [T, I] -> [T, I]
         dtype = y.dtype
-        h = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        gate = jax.nn.silu(z.astype(jnp.float32))
+        h = y.astype(jnp.float32) if self.norm_first else y.astype(jnp.float32) * gate
         g = h.reshape(*h.shape[:-1], self.groups, -1)
-        g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * g.reshape(h.shape).astype(dtype)
+        normed = (g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + self.eps)).reshape(h.shape)
+        if self.norm_first:
+            return (self.weight[...].astype(jnp.float32) * normed * gate).astype(dtype)
+        return self.weight[...] * normed.astype(dtype)
 
 
 class HeadNormThenGate(nnx.Module):
@@ -83,7 +95,9 @@ def activation(name: str, x: jax.Array) -> jax.Array:
         return jax.nn.silu(x)
     if name == "relu2":
         return jnp.square(jax.nn.relu(x))
-    raise ValueError(f"unsupported activation {name!r}; supported: silu, relu2")
+    if name == "gelu":
+        return jax.nn.gelu(x, approximate=False)
+    raise ValueError(f"unsupported activation {name!r}; supported: silu, relu2, gelu")
 
 
 class Mlp(nnx.Module):
@@ -96,17 +110,24 @@ class Mlp(nnx.Module):
         self.up_proj = linear(hidden_size, cfg.intermediate_size, bias=cfg.bias, dtype=dtype, rngs=rngs)
         self.down_proj = linear(cfg.intermediate_size, hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [T, D] -> [T, D]
+    def __call__(self, x: jax.Array, gate_up_delta: jax.Array | None = None) -> jax.Array:  # [T, D] -> [T, D]
+        """`gate_up_delta` [T, 2 * I], when given, is added to the gate | up projections (a
+        low-rank adapter's output, `shared_block.py`)."""
         up = self.up_proj(x)
+        gate = self.gate_proj(x) if self.cfg.gated else None
+        if gate_up_delta is not None:
+            gate_delta, up_delta = jnp.split(gate_up_delta, 2, axis=-1)
+            gate, up = gate + gate_delta, up + up_delta
         if self.cfg.gated:
-            h = activation(self.cfg.activation, self.gate_proj(x)) * up
+            h = activation(self.cfg.activation, gate) * up
         else:
             h = activation(self.cfg.activation, up)
         return self.down_proj(h)
 
 
 class Moe(nnx.Module):
-    """Routed experts plus a shared expert, evaluated densely over all experts.
+    """Routed experts plus, where the model has one, a shared expert, evaluated densely over
+    all experts.
 
     Every expert runs on every token and a `[T, E]` combine matrix (zero for experts not
     chosen) mixes them: simple and exact; a grouped-matmul kernel can replace it later."""
@@ -121,7 +142,8 @@ class Moe(nnx.Module):
             self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32))  # selection-only correction
         self.experts_up = nnx.Param(jnp.zeros((e, hidden_size, up_width), dtype))  # gate | up when gated
         self.experts_down = nnx.Param(jnp.zeros((e, inner, hidden_size), dtype))
-        self.shared = Mlp(hidden_size, cfg.shared, dtype=dtype, rngs=rngs)
+        if cfg.shared is not None:
+            self.shared = Mlp(hidden_size, cfg.shared, dtype=dtype, rngs=rngs)
         if cfg.shared_gate:
             self.shared_gate = nnx.Param(jnp.zeros((hidden_size, 1), dtype))  # [D, 1]
 
@@ -163,6 +185,8 @@ class Moe(nnx.Module):
             h = activation(self.cfg.expert.activation, up)
         out = jnp.einsum("tef,efd->ted", h, self.experts_down[...]).astype(jnp.float32)
         routed = jnp.einsum("ted,te->td", out, combine).astype(x.dtype)  # experts summed in float32
+        if self.cfg.shared is None:
+            return routed
         shared = self.shared(x)
         if self.cfg.shared_gate:
             shared = jax.nn.sigmoid(x @ self.shared_gate[...]) * shared

@@ -3,7 +3,8 @@
 Each architecture names its tensors differently; a table of rules per architecture maps a
 Hugging Face tensor name onto a parameter path of `HybridLM` and says how to convert it
 (transpose a linear weight, squeeze a conv weight, stack per-expert tensors, split a fused
-gate|up projection, place a projection in some columns of a fused one). Every parameter must
+gate|up projection, place a projection in some columns of a fused one, fold constant
+multipliers into a projection). Every parameter must
 be filled exactly once with the expected shape; anything else is an error naming the tensor.
 """
 
@@ -42,17 +43,20 @@ class Rule:
       conv        [C, 1, K] -> [C, K]
       experts     [E, out, in] -> [E, in, out]
       expert      one expert's [out, in] -> row `expert` of a stacked [E, in, out]
-      split       fused [2 * n, in] -> two [in, n] halves (gate, up)
+      split       fused [2 * n, in] -> two [in, n] halves (gate, up); a bias [2 * n] -> two [n]
       columns     [width, in] -> columns [start, start + width) of an [in, total] parameter
                   (of row `expert` of a stacked [E, in, total] one when the pattern names an
                   expert), its rows first reordered by `perm`; `columns(match, cfg)` gives
                   (start, width, perm or None)
+    `scale(match, cfg)`, when given, is a factor broadcast against the Hugging Face tensor
+    (a scalar, or `[out, 1]` over a linear weight's rows) that multiplies it in float32.
     """
 
     pattern: str
     targets: Callable[[re.Match, ModelConfig], list[Path_]]
     kind: str = "copy"
     columns: Callable[[re.Match, ModelConfig], tuple[int, int, np.ndarray | None]] | None = None
+    scale: Callable[[re.Match, ModelConfig], np.ndarray] | None = None
 
 
 def _layer(path: str) -> Callable[[re.Match, ModelConfig], list[Path_]]:
@@ -78,16 +82,29 @@ def _split(*paths: str) -> Callable[[re.Match, ModelConfig], list[Path_]]:
 
 
 _L = r"(?:model|backbone)\.layers\.(?P<layer>\d+)\."
-_MAMBA = [
-    Rule(_L + r"(?:mamba|mixer)\.in_proj\.weight$", _layer("mamba/in_proj/kernel"), "linear"),
-    Rule(_L + r"(?:mamba|mixer)\.in_proj\.bias$", _layer("mamba/in_proj/bias")),
-    Rule(_L + r"(?:mamba|mixer)\.out_proj\.weight$", _layer("mamba/out_proj/kernel"), "linear"),
-    Rule(_L + r"(?:mamba|mixer)\.out_proj\.bias$", _layer("mamba/out_proj/bias")),
-    Rule(_L + r"(?:mamba|mixer)\.conv1d\.weight$", _layer("mamba/conv_weight"), "conv"),
-    Rule(_L + r"(?:mamba|mixer)\.conv1d\.bias$", _layer("mamba/conv_bias")),
-    Rule(_L + r"(?:mamba|mixer)\.(?P<p>dt_bias|A_log|D)$", _layer("mamba/{p}")),
-    Rule(_L + r"(?:mamba|mixer)\.norm\.weight$", _layer("mamba/norm/weight")),
-]
+
+
+def _conv_rules(prefix: str, mixer: str) -> list[Rule]:
+    """A recurrent mixer's depthwise conv, `<layer>.<prefix>.weight` and `.bias`."""
+    return [
+        Rule(_L + prefix + r"\.weight$", _layer(f"{mixer}/conv_weight"), "conv"),
+        Rule(_L + prefix + r"\.bias$", _layer(f"{mixer}/conv_bias")),
+    ]
+
+
+def _mamba_rules(prefix: str) -> list[Rule]:
+    """A Mamba2 mixer's tensors, named `<layer>.<prefix>.<tensor>`."""
+    p = _L + prefix + r"\."
+    return [
+        Rule(p + r"(?P<sub>in_proj|out_proj)\.weight$", _layer("mamba/{sub}/kernel"), "linear"),
+        Rule(p + r"(?P<sub>in_proj|out_proj)\.bias$", _layer("mamba/{sub}/bias")),
+        *_conv_rules(prefix + r"\.conv1d", "mamba"),
+        Rule(p + r"(?P<p>dt_bias|A_log|D)$", _layer("mamba/{p}")),
+        Rule(p + r"norm\.weight$", _layer("mamba/norm/weight")),
+    ]
+
+
+_MAMBA = _mamba_rules(r"(?:mamba|mixer)")
 
 
 def _attn(prefix: str) -> list[Rule]:
@@ -123,6 +140,104 @@ def _nemotron_norm(m: re.Match, cfg: ModelConfig) -> list[Path_]:
     i = int(m.group("layer"))
     spec = cfg.layers[i] if i < len(cfg.layers) else None
     return [("layers", i, "mixer_norm" if spec is None or spec.mixer else "ffn_norm", "weight")]
+
+
+def _mup_vector(cfg: ModelConfig) -> np.ndarray:
+    """Falcon-H1's multipliers of the Mamba2 input projection's outputs z | x | B | C | dt."""
+    mamba, (z, x, b, c, dt) = cfg.mamba, cfg.mup.ssm
+    gn = mamba.n_groups * mamba.state_size
+    widths = (mamba.intermediate_size, mamba.intermediate_size, gn, gn, mamba.num_heads)
+    return np.repeat(np.array([z, x, b, c, dt], np.float32), widths)
+
+
+def _falcon_h1_scale(m: re.Match, cfg: ModelConfig) -> np.ndarray:
+    """The muP multipliers Falcon-H1 applies around a projection (`MupMultipliers`), as the
+    factor of its Hugging Face weight `[out, in]` or bias `[out]`: the output multiplier
+    scales both, the input multiplier only the weight."""
+    mup = cfg.mup
+    proj, leaf = m.string.split(".")[-2:]
+    out = {"in_proj": _mup_vector(cfg), "out_proj": mup.ssm_out, "k_proj": mup.key, "o_proj": mup.attention_out,
+           "gate_proj": mup.mlp_gate, "down_proj": mup.mlp_down}.get(proj, 1.0)
+    inp = {"in_proj": mup.ssm_in, "q_proj": mup.attention_in, "k_proj": mup.attention_in,
+           "v_proj": mup.attention_in}.get(proj, 1.0)
+    out = np.asarray(out, np.float32)
+    return out.reshape(-1, 1) * np.float32(inp) if leaf == "weight" else out
+
+
+def _shared_block(path: str) -> Callable[[re.Match, ModelConfig], list[Path_]]:
+    """Target `shared_blocks/<B>/<path>`, B the shared block layer N uses (Zamba2 stores each
+    block once, under the first layer that uses it)."""
+
+    def targets(m: re.Match, cfg: ModelConfig) -> list[Path_]:
+        i = int(m.group("layer"))
+        block = cfg.layers[i].shared_block if i < len(cfg.layers) else None
+        filled = path.format(**m.groupdict())
+        return [("shared_blocks", -1 if block is None else block, *filled.split("/"))]
+
+    return targets
+
+
+def _block_use(path: str) -> Callable[[re.Match, ModelConfig], list[Path_]]:
+    """Target `layers/<N>/shared_use/<path>`, N the layer of the adapters' use (the `use`-th
+    layer that runs a shared block)."""
+
+    def targets(m: re.Match, cfg: ModelConfig) -> list[Path_]:
+        users = [i for i, spec in enumerate(cfg.layers) if spec.shared_block is not None]
+        use = int(m.group("use"))
+        filled = path.format(**{**m.groupdict(), "half": "down" if m.group("half") == "0" else "up"})
+        return [("layers", users[use] if use < len(users) else -1, "shared_use", *filled.split("/"))]
+
+    return targets
+
+
+def _jamba_rules() -> list[Rule]:
+    m, ff = _L + r"mamba\.", _L + r"feed_forward\."
+    return [
+        *_embed_and_head(r"model\.embed_tokens\.weight", r"model\.final_layernorm\.weight"),
+        *_norms("input_layernorm", "pre_ff_layernorm"),
+        *_attn("self_attn"),
+        Rule(m + r"(?P<sub>in_proj|x_proj|dt_proj|out_proj)\.weight$", _layer("mamba1/{sub}/kernel"), "linear"),
+        Rule(m + r"(?P<sub>in_proj|dt_proj|out_proj)\.bias$", _layer("mamba1/{sub}/bias")),
+        *_conv_rules(r"mamba\.conv1d", "mamba1"),
+        Rule(m + r"(?P<p>A_log|D)$", _layer("mamba1/{p}")),
+        Rule(m + r"(?P<norm>dt|b|c)_layernorm\.weight$", _layer("mamba1/{norm}_norm/weight")),
+        *_mlp("feed_forward"),
+        Rule(ff + r"router\.weight$", _layer("moe/router"), "linear"),
+        Rule(ff + r"experts\.gate_up_proj$", _layer("moe/experts_up"), "experts"),
+        Rule(ff + r"experts\.down_proj$", _layer("moe/experts_down"), "experts"),
+        Rule(ff + r"experts\.(?P<expert>\d+)\.(?P<half>gate|up)_proj\.weight$", _layer("moe/experts_up"), "columns",
+             _expert_half),
+        Rule(ff + r"experts\.(?P<expert>\d+)\.down_proj\.weight$", _layer("moe/experts_down"), "expert"),
+    ]
+
+
+def _zamba2_rules() -> list[Rule]:
+    st = _L + r"shared_transformer\."
+    return [
+        *_embed_and_head(r"model\.embed_tokens\.weight", r"model\.final_layernorm\.weight"),
+        Rule(_L + r"(?:mamba_decoder\.)?input_layernorm\.weight$", _layer("mixer_norm/weight")),
+        *_mamba_rules(r"(?:mamba_decoder\.)?mamba"),
+        Rule(_L + r"linear\.weight$", _layer("shared_use/proj/kernel"), "linear"),
+        Rule(st + r"input_layernorm\.weight$", _shared_block("input_norm/weight")),
+        Rule(st + r"pre_ff_layernorm\.weight$", _shared_block("ffn_norm/weight")),
+        Rule(st + r"self_attn\.(?P<sub>[qkvo]_proj)\.weight$", _shared_block("attention/{sub}/kernel"), "linear"),
+        Rule(st + r"feed_forward\.gate_up_proj\.weight$",
+             lambda m, cfg: [*_shared_block("mlp/gate_proj/kernel")(m, cfg), *_shared_block("mlp/up_proj/kernel")(m, cfg)],
+             "split"),
+        Rule(st + r"feed_forward\.gate_up_proj\.bias$",
+             lambda m, cfg: [*_shared_block("mlp/gate_proj/bias")(m, cfg), *_shared_block("mlp/up_proj/bias")(m, cfg)],
+             "split"),
+        Rule(st + r"feed_forward\.down_proj\.weight$", _shared_block("mlp/down_proj/kernel"), "linear"),
+        Rule(st + r"feed_forward\.down_proj\.bias$", _shared_block("mlp/down_proj/bias")),
+        Rule(st + r"self_attn\.linear_(?P<p>[qkv])_adapter_list\.(?P<use>\d+)\.(?P<half>[01])\.weight$",
+             _block_use("{p}/{half}/kernel"), "linear"),
+        Rule(st + r"feed_forward\.gate_up_proj_adapter_list\.(?P<use>\d+)\.(?P<half>[01])\.weight$",
+             _block_use("gate_up/{half}/kernel"), "linear"),
+    ]
+
+
+def _scaled(rules: list[Rule], scale: Callable[[re.Match, ModelConfig], np.ndarray]) -> list[Rule]:
+    return [dataclasses.replace(rule, scale=scale) for rule in rules]
 
 
 _QWEN_L = r"model\.(?:language_model\.)?layers\.(?P<layer>\d+)\."
@@ -235,12 +350,18 @@ RULES: dict[str, list[Rule]] = {
         Rule(_L + r"self_attn\.(?P<sub>[qk])_layernorm\.weight$", _layer("attention/{sub}_norm/weight")),
         Rule(_L + r"conv\.(?P<sub>in_proj|out_proj)\.weight$", _layer("short_conv/{sub}/kernel"), "linear"),
         Rule(_L + r"conv\.(?P<sub>in_proj|out_proj)\.bias$", _layer("short_conv/{sub}/bias")),
-        Rule(_L + r"conv\.conv\.weight$", _layer("short_conv/conv_weight"), "conv"),
-        Rule(_L + r"conv\.conv\.bias$", _layer("short_conv/conv_bias")),
+        *_conv_rules(r"conv\.conv", "short_conv"),
         Rule(_L + r"feed_forward\.w1\.weight$", _layer("mlp/gate_proj/kernel"), "linear"),
         Rule(_L + r"feed_forward\.w3\.weight$", _layer("mlp/up_proj/kernel"), "linear"),
         Rule(_L + r"feed_forward\.w2\.weight$", _layer("mlp/down_proj/kernel"), "linear"),
     ],
+    "FalconH1ForCausalLM": [
+        *_embed_and_head(r"model\.embed_tokens\.weight", r"model\.final_layernorm\.weight"),
+        *_norms("input_layernorm", "pre_ff_layernorm"),
+        *_scaled([*_attn("self_attn"), *_MAMBA, *_mlp("feed_forward")], _falcon_h1_scale),
+    ],
+    "Zamba2ForCausalLM": _zamba2_rules(),
+    "JambaForCausalLM": _jamba_rules(),
     "Qwen3NextForCausalLM": _qwen_rules(),
     "Qwen3_5ForCausalLM": _qwen_rules(),
     "Qwen3_5MoeForCausalLM": _qwen_rules(),
@@ -255,9 +376,9 @@ MTP_RULES = [
 ]
 
 # Tensors a checkpoint may carry that serving its text model does not use: rotary tables,
-# the MTP module unless speculative decoding drafts with it, and a vision-language
-# checkpoint's vision tower.
-IGNORED = re.compile(r"(rotary_emb\.inv_freq|^mtp\.|^model\.visual\.)")
+# Falcon-H1's muP vector (computed from the config, as transformers does), the MTP module
+# unless speculative decoding drafts with it, and a vision-language checkpoint's vision tower.
+IGNORED = re.compile(r"(rotary_emb\.inv_freq|mamba\.mup_vector|^mtp\.|^model\.visual\.)")
 
 
 def _hf_shape(kind: str, ours: tuple[int, ...]) -> tuple[int, ...]:
@@ -270,8 +391,8 @@ def _hf_shape(kind: str, ours: tuple[int, ...]) -> tuple[int, ...]:
         return (ours[0], ours[2], ours[1])
     if kind == "expert":
         return (ours[2], ours[1])
-    if kind == "split":
-        return (2 * ours[1], ours[0])
+    if kind == "split":  # a weight, or a bias
+        return (2 * ours[1], ours[0]) if len(ours) == 2 else (2 * ours[0],)
     return ours
 
 
@@ -351,6 +472,8 @@ def params_from_hf(model_dir: Path, cfg: ModelConfig, abstract_state: nnx.State)
             want = _hf_shape(rule.kind, tuple(expected[targets[0]].shape))
         if tuple(tensor.shape) != want:
             raise ValueError(f"{model_dir}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}")
+        if rule.scale is not None:
+            tensor = tensor.astype(np.float32) * rule.scale(match, cfg)
         if rule.kind == "columns":
             parts.setdefault(targets[0], {})[(expert, start)] = (tensor if perm is None else tensor[perm]).T
             continue
@@ -363,7 +486,7 @@ def params_from_hf(model_dir: Path, cfg: ModelConfig, abstract_state: nnx.State)
         if found == "mtp.":
             logger.info("%s: %d tensors mtp.* not loaded (the MTP draft module: speculative_config method 'mtp' "
                         "uses it)", model_dir, count)
-        elif found != "rotary_emb.inv_freq":
+        elif found not in ("rotary_emb.inv_freq", "mamba.mup_vector"):
             logger.info("%s: %d tensors %s* not loaded (not used to serve the text model)", model_dir, count, found)
     for path, pieces in parts.items():
         filled[path] = _assemble(model_dir, path, pieces, tuple(expected[path].shape))

@@ -24,7 +24,7 @@ def mamba2_state(cfg: MambaConfig) -> tuple[StateArray, ...]:
 
 class Mamba2Mixer(nnx.Module):
     """in_proj -> (z | xBC | dt); causal conv + SiLU on xBC; SSD scan from each sequence's
-    state before the step; D skip; gated norm; out_proj.
+    state before the step; D skip; gate and norm (`MambaConfig.gated_norm`); out_proj.
 
     `decode=True` is a decode or verify step (`token_steps.py`): each sequence advances by
     its few tokens with the one-token conv and state updates instead of the chunked scan."""
@@ -39,8 +39,10 @@ class Mamba2Mixer(nnx.Module):
         self.dt_bias = nnx.Param(jnp.zeros((heads,), dtype))
         self.A_log = nnx.Param(jnp.zeros((heads,), dtype))
         self.D = nnx.Param(jnp.zeros((heads,), dtype))
-        self.norm = GatedRMSNorm(inner, cfg.n_groups, eps, dtype=dtype)
-        self.out_proj = linear(inner, hidden_size, bias=cfg.proj_bias, dtype=dtype, rngs=rngs)
+        if cfg.gated_norm != "none":
+            norm_eps = eps if cfg.norm_eps is None else cfg.norm_eps
+            self.norm = GatedRMSNorm(inner, cfg.n_groups, norm_eps, dtype=dtype, norm_first=cfg.gated_norm == "norm_first")
+        self.out_proj = linear(inner, hidden_size, bias=cfg.out_proj_bias, dtype=dtype, rngs=rngs)
 
     def __call__(
         self,
@@ -90,7 +92,11 @@ class Mamba2Mixer(nnx.Module):
             saved = (save_conv, save_ssm)
 
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs.astype(jnp.float32)
-        y = self.norm(y.reshape(num_tokens, inner), z).astype(x.dtype)  # norm in float32, like the reference
+        y = y.reshape(num_tokens, inner)
+        if cfg.gated_norm == "none":
+            y = (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+        else:
+            y = self.norm(y, z).astype(x.dtype)  # norm in float32, like the reference
         return self.out_proj(y), final, (saved[0], saved[1].astype(jnp.float32))
 
     def _split(self, xbc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

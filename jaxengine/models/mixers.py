@@ -16,6 +16,7 @@ from flax import nnx
 from jaxengine.models.attention import Attention
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.gated_delta import GatedDeltaMixer, gated_delta_state
+from jaxengine.models.mamba1 import Mamba1Mixer, mamba1_state
 from jaxengine.models.mamba2 import Mamba2Mixer, mamba2_state
 from jaxengine.models.mixer_state import StateArray
 from jaxengine.models.short_conv import ShortConvMixer, short_conv_state
@@ -31,6 +32,7 @@ class MixerType:
 MIXERS: dict[str, MixerType] = {
     "attention": MixerType(Attention, lambda cfg: cfg.attention, None),
     "mamba": MixerType(Mamba2Mixer, lambda cfg: cfg.mamba, mamba2_state),
+    "mamba1": MixerType(Mamba1Mixer, lambda cfg: cfg.mamba1, mamba1_state),
     "gated_delta": MixerType(GatedDeltaMixer, lambda cfg: cfg.gated_delta, gated_delta_state),
     "short_conv": MixerType(ShortConvMixer, lambda cfg: cfg.short_conv, short_conv_state),
 }
@@ -40,7 +42,8 @@ def recurrent_states(cfg: ModelConfig) -> list[tuple[StateArray, ...]]:
     """The declared per-sequence state of every recurrent layer of `cfg`, in layer order."""
     out = []
     for spec in cfg.layers:
-        kind = MIXERS[spec.mixer] if spec.mixer is not None else None
-        if kind is not None and kind.state is not None:
-            out.append(kind.state(kind.config(cfg)))
+        for name in spec.mixers:
+            kind = MIXERS[name]
+            if kind.state is not None:
+                out.append(kind.state(kind.config(cfg)))
     return out

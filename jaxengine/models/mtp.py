@@ -29,9 +29,9 @@ from flax import nnx
 
 from jaxengine.models.batch import Pools, StepBatch, token_layout
 from jaxengine.models.config import ModelConfig
-from jaxengine.models.decoder_layer import DecoderLayer, add_residual, norm_settings
+from jaxengine.models.decoder_layer import DecoderLayer, add_residual
 from jaxengine.models.kernels import KernelOps
-from jaxengine.models.layers import RMSNorm, linear
+from jaxengine.models.layers import RMSNorm, linear, norm_settings
 
 
 class Mtp(nnx.Module):

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import ragged
-from pallas_kernels.gated_delta.reference import GatedDeltaOutput, row_grid, validate_inputs, value_heads
+from pallas_kernels.gated_delta.reference import GatedDeltaOutput, validate_inputs, value_heads
 
 MAX_HEADS_PER_BLOCK = 8
 _TRANS_B = (((1,), (1,)), ((), ()))  # a @ b^T
@@ -139,7 +139,7 @@ def ragged_gated_delta(
     num_tokens, _, key_dim = k.shape
     num_heads, value_dim = v.shape[1:]
     cs = chunk_size
-    cells = row_grid(cu_seqlens, start_pos, num_tokens, cs)
+    cells = ragged.row_grid(cu_seqlens, start_pos, num_tokens, cs)
     rows = cells.rows
     num_rows = rows.chunk_seq.shape[0]
 

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged import ScanRows, scan_rows, token_segments, tokens_since_latest_state
+from pallas_kernels.ragged import row_grid, tokens_since_latest_state
 
 
 class GatedDeltaOutput(NamedTuple):
@@ -55,36 +55,6 @@ def validate_inputs(q, k, v, g, beta, init_states) -> None:
         raise ValueError(f"g and beta must be [T, H_v] = {(num_tokens, num_heads)}, got {g.shape} and {beta.shape}")
     if init_states.ndim != 4 or init_states.shape[1:] != (num_heads, key_dim, value_dim):
         raise ValueError(f"init_states must be [S, {num_heads}, {key_dim}, {value_dim}], got {init_states.shape}")
-
-
-class RowGrid(NamedTuple):
-    """Where each flat token sits in the [R, chunk_size] grid of a scan's rows."""
-
-    rows: ScanRows
-    row: jax.Array  # [T] int32: the token's row; R (out of range) for padding
-    col: jax.Array  # [T] int32: its column, position % chunk_size
-    valid: jax.Array  # [T] bool
-    chunk_size: int
-
-    def place(self, values: jax.Array) -> jax.Array:
-        """[T, H, ...] -> [R, H, chunk_size, ...], padding and empty cells zero."""
-        num_rows, chunk = self.rows.chunk_seq.shape[0], self.chunk_size
-        values = jnp.where(self.valid.reshape(-1, *[1] * (values.ndim - 1)), values, 0)
-        out = jnp.zeros((num_rows, chunk, *values.shape[1:]), values.dtype)
-        return jnp.swapaxes(out.at[self.row, self.col].set(values, mode="drop"), 1, 2)
-
-    def take(self, grid: jax.Array) -> jax.Array:
-        """[R, H, chunk_size, ...] -> [T, H, ...], zero for padding."""
-        out = grid[jnp.clip(self.row, 0, grid.shape[0] - 1), :, self.col]
-        return jnp.where(self.valid.reshape(-1, *[1] * (out.ndim - 1)), out, 0.0)
-
-
-def row_grid(cu_seqlens: jax.Array, start_pos: jax.Array, num_tokens: int, chunk_size: int) -> RowGrid:
-    rows = scan_rows(cu_seqlens, start_pos, num_tokens, chunk_size)  # one row per (sequence, absolute chunk)
-    seq, local, valid = token_segments(cu_seqlens, num_tokens)
-    token_row = jnp.searchsorted(rows.row_start, jnp.arange(num_tokens), side="right") - 1
-    row = jnp.where(valid, token_row, rows.chunk_seq.shape[0])
-    return RowGrid(rows, row, (start_pos[seq] + local) % chunk_size, valid, chunk_size)
 
 
 class _Block(NamedTuple):

@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import ragged
+from pallas_kernels import mosaic_gpu, ragged
 from pallas_kernels.ssd import _layout
 from pallas_kernels.ssd.reference import RaggedScanOutput
 
@@ -66,14 +66,6 @@ MAX_STATE_SIZE = 128  # shared-memory budget (see the module docstring)
 _WGMMA = plgpu.Layout.WGMMA
 _PER_ROW = _WGMMA.reduce(1)  # [64] vector indexed like the rows of a WGMMA [64, n] array
 _PER_COL = _WGMMA.reduce(0)  # [64] vector indexed like its columns
-
-
-def _interpreter():
-    """Mosaic GPU interpret mode; jax 0.10.2 has `InterpretGPUParams` only under `jax._src`, so it
-    is imported when asked for, and the kernel itself does not depend on the private path."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
 
 
 def _smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
@@ -122,19 +114,8 @@ def _scan_kernel(
     def body(s_land, cb_land, x_land, vecs, c_op, b_op, x_op, p_op, s_op, y_tile, barriers, transposes):
         cb_land = s_land if cb_land is None else cb_land  # float32 inputs land in the state buffer
 
-        def fetch(*copies):
-            """Synchronous TMA loads: (source, destination) pairs."""
-            plgpu.commit_smem()  # earlier register reads of the destinations are done
-            for i, (src, dst) in enumerate(copies):
-                plgpu.copy_gmem_to_smem(src, dst, barriers.at[i])
-            for i in range(len(copies)):
-                plgpu.barrier_wait(barriers.at[i])
-
-        def store(src, dst):
-            """Synchronous TMA store from shared memory."""
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(src, dst)
-            plgpu.wait_smem_to_gmem(0)
+        fetch = functools.partial(mosaic_gpu.fetch, barriers)
+        store = mosaic_gpu.store
 
         def split(value, op, parts=2):
             """Writes value (f32) as bfloat16 parts op[0] (+ op[1]) with value ~= op[0] + op[1]."""
@@ -334,7 +315,7 @@ def ragged_ssd_scan(
         ),
         grid=(num_heads, head_dim // TILE),
         grid_names=("head", "p"),
-        interpret=_interpreter() if interpret else False,
+        interpret=mosaic_gpu.interpreter() if interpret else False,
     )
     y, chunk_states = kernel(
         meta, totals, pad(x), pad(B), pad(C), pad(cum).T, pad(dt_masked).T, init_states.astype(f32)

@@ -15,7 +15,7 @@ def _workload(seed: int, n: int = 64) -> tuple[list[list[int]], list[int]]:
     return [random_prompt(int(length), seed * 1000 + i) for i, length in enumerate(lengths)], [int(m) for m in max_tokens]
 
 
-@pytest.mark.parametrize("arch", ["bamba", "llama"])
+@pytest.mark.parametrize("arch", ["bamba", pytest.param("llama", marks=pytest.mark.slow)])  # attention: in bamba
 def test_greedy_matches_transformers_under_preemption(tiny_models, arch):
     """64 requests of 1-240 tokens through 8 sequence slots, a 64-token budget and a KV pool
     that holds about two long requests (cached pages and checkpoints included): every

@@ -65,6 +65,7 @@ def test_drafts_are_the_draft_models_greedy_continuation(models, pair):
     assert again.step_drafts == hf_greedy(draft, again.tokens, K)
 
 
+@pytest.mark.slow  # test_mtp.py runs the same checks fast for in-step drafting; the draft's states: below
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "-".join(p))
 def test_tokens_are_those_of_plain_decoding(models, pair):
     """Mixed prefill and verify steps, stop tokens, min_tokens and prefix hits (`_run`), NaN in

@@ -47,6 +47,17 @@ def test_interpreted_tpu_gated_delta_kernel_matches_the_reference_end_to_end(tmp
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", ["pallas-interpret-tpu", "pallas-interpret-gpu"])
+def test_interpreted_selective_scan_kernels_match_the_reference_end_to_end(tmp_path, kernels):
+    """The tiny Jamba's 128 channels and state 8 suit both kernels."""
+    save_tiny_model("jamba", tmp_path)
+    prompts = [random_prompt(11, 1), random_prompt(3, 2)]
+    want = LLM(tmp_path, kernels="reference", **ARGS).generate(prompts, GREEDY, use_tqdm=False)
+    got = LLM(tmp_path, kernels=kernels, **ARGS).generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
 def test_cpu_uses_references_and_unknown_names_fail():
     ops = kernel_ops("auto")
     assert ops.ragged_paged_attention is ragged_paged_attention and ops.ragged_ssd_scan is reference_scan

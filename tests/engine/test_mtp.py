@@ -82,6 +82,7 @@ def test_tokens_are_those_of_plain_decoding(mtp_models, arch):
     llm.engine.scheduler.check_invariants()
 
 
+@pytest.mark.slow  # prefix hits under MTP: also in test_tokens_are_those_of_plain_decoding; under ngram: fast
 def test_a_repeated_prompt_hits_under_mtp_speculation_on_the_first_repeat(mtp_models):
     path, _, _ = mtp_models("bamba")
     llm = LLM(path, speculative_config=MTP, **ARGS)

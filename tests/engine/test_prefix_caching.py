@@ -19,8 +19,8 @@ SMALL_POOL_WITH_ATTENTION = 1 + 120
 # multipliers), Nemotron-H's mixer-only layers, Gated DeltaNet with gated attention (Qwen3.5;
 # Qwen3-Next and Qwen3.5-MoE differ only in their feed-forwards and projection layout), and
 # short convolutions, whose state is only a conv window, with attention (LFM2).
-CACHING_ARCHS = ("llama", "mamba2", "bamba", "nemotron_h", "qwen3_5", "lfm2")
-FAST_ARCHS = ("llama", "bamba")  # the others run with `-m slow`
+CACHING_ARCHS = ("llama", "mamba2", "bamba", "nemotron_h", "qwen3_5", "lfm2", "falcon_h1", "zamba2", "jamba")
+FAST_ARCHS = ("bamba",)  # attention and Mamba2 layers; the others run with `-m slow`
 
 
 def _run_workload(llm: LLM) -> list[list[int]]:

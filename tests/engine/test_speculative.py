@@ -20,7 +20,7 @@ K = 3
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1, "adaptive": False}
 # Attention only, Mamba2 with attention, Gated DeltaNet with gated attention, short convs
 # with attention.
-ARCHS = ("llama", "bamba", "qwen3_5", "lfm2")
+ARCHS = ("llama", "bamba", "qwen3_5", "lfm2", "falcon_h1", "zamba2", "jamba")
 
 
 def _prompts() -> list[list[int]]:
@@ -130,6 +130,7 @@ def test_no_step_compiles_after_warm_up_while_speculating(tiny_models):
     assert llm.engine.runner.num_compiled_steps() == compiled, "a step compiled after warm-up"
 
 
+@pytest.mark.slow  # seeded sampling through verify steps: also in test_mtp.py's tokens test, fast
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(tiny_models, bamba_spec):
     """Each verify row draws its output index with the request's key for that index, so a
     seeded request samples the same tokens (temperature, top-k, top-p; and greedy) as an

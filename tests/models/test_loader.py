@@ -38,7 +38,8 @@ from tests.models.tiny_mtp import add_tiny_mtp
 PROMPT = random_prompt(29, seed=1)
 SUPPORTED = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
              "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
-             "Qwen3_5MoeForConditionalGeneration", "Lfm2ForCausalLM")
+             "Qwen3_5MoeForConditionalGeneration", "Lfm2ForCausalLM", "FalconH1ForCausalLM",
+             "Zamba2ForCausalLM", "JambaForCausalLM")
 
 
 @pytest.fixture(scope="module")
@@ -317,3 +318,90 @@ def test_a_broken_tokenizer_is_named(bamba_copy):
 
 def re_escape_path(path: Path) -> str:
     return re.escape(str(path))
+
+
+def test_falcon_h1_multiplier_lists_of_the_wrong_length_are_named(tmp_path):
+    save_tiny_model("falcon_h1", tmp_path)
+    edit_config(tmp_path, lambda c: c.update(ssm_multipliers=[1.0, 1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match=r"FalconH1ForCausalLM: unsupported value ssm_multipliers=\[1\.0, 1\.0, 1\.0, "
+                                         r"1\.0\]; supported: a list of 5 numbers"):
+        load_model(tmp_path)
+
+
+def test_falcon_h1_multipliers_are_folded_into_the_projections(tmp_path):
+    """The loaded key projection is the checkpoint's times attention_in_multiplier (its
+    input) and key_multiplier (its output); its bias only by key_multiplier; the Mamba2
+    input projection's dt columns by ssm_in_multiplier and the last of ssm_multipliers."""
+    model = save_tiny_model("falcon_h1", tmp_path)
+    hf_cfg = model.config
+    attn, mamba = model.model.layers[0].self_attn, model.model.layers[0].mamba
+    _, _, state = load_model(tmp_path)
+    params = state.to_pure_dict()["layers"][0]
+    k_kernel = attn.k_proj.weight.detach().numpy().T * hf_cfg.attention_in_multiplier * hf_cfg.key_multiplier
+    np.testing.assert_allclose(params["attention"]["k_proj"]["kernel"], k_kernel, rtol=1e-6)
+    np.testing.assert_allclose(params["attention"]["k_proj"]["bias"], attn.k_proj.bias.detach().numpy()
+                               * hf_cfg.key_multiplier, rtol=1e-6)
+    heads = hf_cfg.mamba_n_heads
+    dt_rows = mamba.in_proj.weight.detach().numpy()[-heads:].T
+    want = dt_rows * hf_cfg.ssm_in_multiplier * hf_cfg.ssm_multipliers[4]
+    np.testing.assert_allclose(params["mamba"]["in_proj"]["kernel"][:, -heads:], want, rtol=1e-6)
+
+
+def test_a_stored_falcon_h1_mup_vector_is_not_loaded(tmp_path):
+    """Some checkpoints carry the muP vector; it is computed from the config instead."""
+    save_tiny_model("falcon_h1", tmp_path)
+    without = load_model(tmp_path)[2].to_pure_dict()["layers"][0]["mamba"]["in_proj"]["kernel"]
+    edit_tensors(tmp_path, _add("model.layers.0.mamba.mup_vector", (1, 1, 264)))  # zeros: would zero in_proj
+    with_it = load_model(tmp_path)[2].to_pure_dict()["layers"][0]["mamba"]["in_proj"]["kernel"]
+    np.testing.assert_array_equal(with_it, without)
+
+
+def test_zamba2_attention_adapters_need_as_many_kv_heads_as_heads(tmp_path):
+    save_tiny_model("zamba2", tmp_path)
+    edit_config(tmp_path, lambda c: c.update(num_key_value_heads=2))
+    with pytest.raises(ValueError, match=r"Zamba2ForCausalLM: unsupported value num_key_value_heads=2; "
+                                         r"supported: num_attention_heads=4"):
+        load_model(tmp_path)
+
+
+def test_zamba2_shared_blocks_load_once_and_adapters_per_use(tmp_path):
+    """Layers 1, 3 and 4 use blocks 0, 1, 0: the checkpoint stores block 0 under layer 1 and
+    block 1 under layer 3 (layer 4's is tied to layer 1's); adapter list entry j is the j-th
+    use's, whichever layer's block holds it."""
+    model = save_tiny_model("zamba2", tmp_path)
+    cfg, _, state = load_model(tmp_path)
+    assert [spec.shared_block for spec in cfg.layers] == [None, 0, None, 1, 0]
+    params = state.to_pure_dict()
+    assert sorted(params["shared_blocks"]) == [0, 1]
+    hf_layers = model.model.layers
+    np.testing.assert_array_equal(params["shared_blocks"][1]["attention"]["q_proj"]["kernel"],
+                                  hf_layers[3].shared_transformer.self_attn.q_proj.weight.detach().numpy().T)
+    third_use = hf_layers[1].shared_transformer.self_attn.linear_k_adapter_list[2][1].weight  # [out, rank]
+    np.testing.assert_array_equal(params["layers"][4]["shared_use"]["k"]["up"]["kernel"], third_use.detach().numpy().T)
+
+
+def _fuse_jamba_experts(tensors: dict[str, np.ndarray]) -> None:
+    """Per-expert tensors (as transformers saves them) -> the fused layout it holds in memory:
+    experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]."""
+    for name in [n for n in tensors if n.endswith("experts.0.gate_proj.weight")]:
+        prefix = name.removesuffix("0.gate_proj.weight")
+        count = len([n for n in tensors if n.startswith(prefix) and n.endswith(".gate_proj.weight")])
+        gate_up = [np.concatenate([tensors.pop(f"{prefix}{e}.gate_proj.weight"), tensors.pop(f"{prefix}{e}.up_proj.weight")])
+                   for e in range(count)]
+        tensors[prefix + "gate_up_proj"] = np.stack(gate_up)
+        tensors[prefix + "down_proj"] = np.stack([tensors.pop(f"{prefix}{e}.down_proj.weight") for e in range(count)])
+
+
+def test_jamba_experts_load_from_either_layout(tmp_path):
+    per_expert, fused = tmp_path / "per_expert", tmp_path / "fused"
+    model = save_tiny_model("jamba", per_expert)
+    model.save_pretrained(fused)
+    edit_tensors(fused, _fuse_jamba_experts)
+    assert_same_params(load_model(fused)[2], load_model(per_expert)[2])
+
+
+def test_jamba_dt_rank_auto_is_hidden_over_16_rounded_up(tmp_path):
+    save_tiny_model("jamba", tmp_path)
+    assert load_model_config(tmp_path).mamba1.dt_rank == 4  # ceil(64 / 16)
+    edit_config(tmp_path, lambda c: c.update(mamba_dt_rank=6))
+    assert load_model_config(tmp_path).mamba1.dt_rank == 6

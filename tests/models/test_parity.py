@@ -56,8 +56,9 @@ class Case:
 
 
 # Variants whose layers the fast run covers in another architecture (Granite's in Bamba and
-# Llama, Qwen3-Next's and Qwen3.5-MoE's in Qwen3.5) run with `-m slow`.
-VARIANTS = ("granite_moe", "granite_dense", "qwen3_next", "qwen3_5_moe")
+# Llama, Qwen3-Next's and Qwen3.5-MoE's in Qwen3.5, Falcon-H1's defaults in Falcon-H1) run
+# with `-m slow`.
+VARIANTS = ("granite_moe", "granite_dense", "qwen3_next", "qwen3_5_moe", "falcon_h1_plain")
 
 
 @pytest.fixture(scope="module", params=[pytest.param(a, marks=pytest.mark.slow) if a in VARIANTS else a for a in ARCHS])

@@ -29,8 +29,12 @@ import torch
 from transformers import (
     BambaConfig,
     BambaForCausalLM,
+    FalconH1Config,
+    FalconH1ForCausalLM,
     GraniteMoeHybridConfig,
     GraniteMoeHybridForCausalLM,
+    JambaConfig,
+    JambaForCausalLM,
     Lfm2Config,
     Lfm2ForCausalLM,
     LlamaConfig,
@@ -49,12 +53,15 @@ from transformers import (
     Qwen3_5TextConfig,
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
+    Zamba2Config,
+    Zamba2ForCausalLM,
 )
 
 # Every supported architecture as transformers saves it; "qwen3_5_vl" (a released Qwen3.5
 # checkpoint's layout, the text model inside a vision-language one) is built too.
 ARCHS = ("llama", "mamba2", "bamba", "granite_moe", "granite_dense", "nemotron_h", "qwen3_next", "qwen3_5",
-         "qwen3_5_moe", "lfm2")
+         "qwen3_5_moe", "lfm2", "falcon_h1", "falcon_h1_plain",
+         "zamba2", "jamba")
 VOCAB_SIZE = 128
 CHUNK_SIZE = 8  # Mamba2 chunk size: small, so short prompts span several chunks
 MAX_POSITIONS = 512  # room for the engine tests' longer prompts
@@ -144,6 +151,37 @@ def tiny_config(arch: str, *, tie: bool = False) -> tuple[type[PreTrainedModel],
             layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, conv_bias=True, block_multiple_of=16,
             max_position_embeddings=MAX_POSITIONS,
         )
+    if arch == "falcon_h1":  # every muP multiplier != 1, mamba_d_ssm != expand * hidden, norm then gate, biases on
+        return FalconH1ForCausalLM, FalconH1Config(
+            **common, **_ATTENTION, head_dim=16, intermediate_size=96, num_hidden_layers=2, mamba_d_ssm=96,
+            mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=CHUNK_SIZE,
+            mamba_rms_norm=True, mamba_norm_before_gate=True, mamba_proj_bias=True, projectors_bias=True,
+            attention_bias=True, mlp_bias=True, embedding_multiplier=2.0, lm_head_multiplier=0.5,
+            key_multiplier=0.7, attention_in_multiplier=1.1, attention_out_multiplier=0.9, ssm_in_multiplier=1.3,
+            ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9], ssm_out_multiplier=0.6, mlp_multipliers=[0.8, 1.25],
+            max_position_embeddings=MAX_POSITIONS,
+        )
+    if arch == "falcon_h1_plain":  # the defaults: no Mamba2 norm (only the gate), multipliers 1, no biases
+        return FalconH1ForCausalLM, FalconH1Config(
+            **common, **_ATTENTION, head_dim=16, intermediate_size=96, num_hidden_layers=2, mamba_d_ssm=None,
+            mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=CHUNK_SIZE,
+            max_position_embeddings=MAX_POSITIONS,
+        )
+    if arch == "zamba2":  # three uses of two shared blocks (block 0 twice), adapters on q/k/v too, RoPE, biases
+        return Zamba2ForCausalLM, Zamba2Config(
+            **{**common, "tie_word_embeddings": True}, num_attention_heads=4, num_key_value_heads=4,
+            intermediate_size=96, num_hidden_layers=5, layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+            n_mamba_heads=8, mamba_ngroups=2, mamba_d_state=16, mamba_d_conv=4, chunk_size=CHUNK_SIZE,
+            num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
+            add_bias_linear=True, max_position_embeddings=MAX_POSITIONS,
+        )
+    if arch == "jamba":  # Mamba-1, MoE, attention, dense MLP; projection biases on
+        return JambaForCausalLM, JambaConfig(
+            **common, **_ATTENTION, intermediate_size=96, num_hidden_layers=4, attn_layer_period=2,
+            attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0, num_experts=4, num_experts_per_tok=2,
+            mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank="auto", mamba_proj_bias=True,
+            max_position_embeddings=MAX_POSITIONS,
+        )
     if arch == "qwen3_5_vl":  # a released checkpoint's layout: the text model inside a vision-language one
         vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=4,
                       temporal_patch_size=1, spatial_merge_size=1)
@@ -229,20 +267,13 @@ def hf_logits(model: PreTrainedModel, token_ids: list[int]) -> np.ndarray:
 @torch.no_grad()
 @_one_torch_thread()
 def hf_greedy(model: PreTrainedModel, token_ids: list[int], max_new_tokens: int) -> list[int]:
-    """The reference model's greedy continuation of one prompt, ignoring end-of-sequence.
-
-    The attention mask is explicit: left to itself, `generate` masks every prompt token that
-    equals the pad token id as padding."""
-    ids = torch.tensor([token_ids])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    return out[0, len(token_ids) :].tolist()
+    """The reference model's greedy continuation of one prompt, ignoring end-of-sequence: a
+    full forward without a cache per token, so that no cache code of the reference is
+    trusted (Jamba's drops the state when a multi-token chunk continues from a cache)."""
+    ids = list(token_ids)
+    for _ in range(max_new_tokens):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(token_ids) :]
 
 
 def max_abs_diff(got: np.ndarray, want: np.ndarray) -> float:

@@ -20,6 +20,7 @@ import numpy as np
 from hypothesis import given, settings
 
 from pallas_kernels.gated_delta import gated_delta_states_at, gated_delta_update, ragged_gated_delta
+from tests.pallas_kernels.scan_checks import assert_scan_states, every_position, states_after
 from tests.pallas_kernels.tolerance import assert_close_to_scale
 
 KEY_DIM, VALUE_DIM = 8, 6
@@ -106,26 +107,14 @@ def test_scan_matches_float64_recurrence(batch):
     want_out, want_states = recurrence(inputs, scale)
     assert got.o.dtype == jnp.float32
     assert_close(got.o, want_out)
-    cu = inputs["cu_seqlens"]
-    for s, after in enumerate(want_states):
-        assert_close(got.final_states[s], after[-1] if after else np.asarray(inputs["init_states"][s], np.float64))
-    # Each used row's end state is the state after its absolute end position.
-    for r in range(got.chunk_seq.shape[0]):
-        s = int(got.chunk_seq[r])
-        if s < len(lengths):
-            end = int(got.chunk_end[r])
-            assert end % chunk == 0 or end == starts[s] + lengths[s]
-            assert_close(got.chunk_states[r], want_states[s][end - starts[s] - 1])
-    # The state after every position of every sequence (requests padded to one per token).
-    seqs = [s for s, n in enumerate(lengths) for _ in range(n)]
-    pos = [starts[s] + i + 1 for s, n in enumerate(lengths) for i in range(n)]
-    padding = [0] * (NUM_TOKENS - len(seqs))
+    assert_scan_states(got, want_states, inputs["init_states"], lengths, starts, chunk, assert_close)
+    seq, pos, count = every_position(lengths, starts, NUM_TOKENS)
     at = states_at(
-        inputs["k"], inputs["v"], inputs["g"], inputs["beta"], inputs["init_states"], cu, inputs["start_pos"],
-        got, jnp.asarray(seqs + padding, jnp.int32), jnp.asarray(pos + padding, jnp.int32), window=chunk,
+        inputs["k"], inputs["v"], inputs["g"], inputs["beta"], inputs["init_states"], inputs["cu_seqlens"],
+        inputs["start_pos"], got, seq, pos, window=chunk,
     )
-    if seqs:
-        assert_close(at[: len(seqs)], np.stack([want_states[s][p - starts[s] - 1] for s, p in zip(seqs, pos)]))
+    if count:
+        assert_close(at[:count], states_after(want_states, seq, pos, starts, count))
 
 
 @settings(max_examples=10, deadline=None)

@@ -17,6 +17,8 @@ KERNEL_ROWS = [
     "ssd prefill bf16",
     "ssd prefill f32",
     "ssd decode-ish bf16",
+    "selective prefill bf16",
+    "selective decode-ish bf16",
 ]
 ON_GPU = jax.default_backend() == "gpu"
 ENGINE_ROWS = ["engine decode b4", "engine prefill 4x8", "engine load / first runs", "engine first tokens auto vs ref",
@@ -91,6 +93,11 @@ def test_costs():
     num_bytes, flops = device_check.attention_cost(attention)
     assert num_bytes == 2 * 13 * 2 * 8 * 4 + 2 * 6 * 4 * 8 * 4  # keys and values once, q and out
     assert flops == 4 * 4 * 8 * (3 + 4 + 5 + 8)  # visible keys: 3, 4, 5 for the prefill, 8 for the decode
+    selective = device_check.SelectiveCase("m", (3,), (0,), 1, channels=4, state_size=2, chunk_size=4, dtype="float32")
+    num_bytes, flops = device_check.selective_cost(selective)
+    # x, dt, B and C of 4 tokens (padding included), y, then the initial, final and one row's states
+    assert num_bytes == 4 * (4 * 4 + 4 * 4 + 2 * 2 * 4) + 4 * 4 * 4 + 3 * 4 * 2 * 4
+    assert flops == 6 * 4 * 4 * 2
 
 
 def test_engine_report_when_a_mode_did_not_run():
