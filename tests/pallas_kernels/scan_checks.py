@@ -1,8 +1,10 @@
-"""What the chunked-scan reference tests check alike: the states a scan returns against a
-float64 recurrence's state after every token."""
+"""What the chunked-scan tests check alike: the states a scan returns against a float64
+recurrence's state after every token, and a kernel's outputs against the reference's."""
 
 import jax.numpy as jnp
 import numpy as np
+
+from tests.pallas_kernels.tolerance import assert_close_to_scale
 
 
 def assert_scan_states(got, want_states: list[list[np.ndarray]], init_states, lengths, starts, chunk: int,
@@ -32,3 +34,18 @@ def every_position(lengths, starts, num_requests: int) -> tuple[jnp.ndarray, jnp
 def states_after(want_states: list[list[np.ndarray]], seq, pos, starts, count: int) -> np.ndarray:
     """The recurrence's states at the first `count` requests."""
     return np.stack([want_states[s][p - starts[s] - 1] for s, p in zip(np.asarray(seq[:count]), np.asarray(pos[:count]))])
+
+
+def assert_kernel_matches_reference(got, want, num_seqs: int, *, tol: float) -> None:
+    """A kernel's scan outputs against the reference's on the same inputs: the row layout
+    exactly, every other field (the first is the per-token output) to `tol` of its scale,
+    the row states for the used rows only (the others are unspecified)."""
+    for name in want._fields:
+        assert getattr(got, name).shape == getattr(want, name).shape, name
+        assert getattr(got, name).dtype == getattr(want, name).dtype, name
+    np.testing.assert_array_equal(got.chunk_seq, want.chunk_seq)
+    np.testing.assert_array_equal(got.chunk_end, want.chunk_end)
+    assert_close_to_scale(got[0], want[0], tol=tol)
+    assert_close_to_scale(got.final_states, want.final_states, tol=tol)
+    used = np.asarray(want.chunk_seq) < num_seqs
+    assert_close_to_scale(np.asarray(got.chunk_states)[used], np.asarray(want.chunk_states)[used], tol=tol)

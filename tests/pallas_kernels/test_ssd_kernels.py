@@ -5,7 +5,7 @@ interpreter) on ragged batches drawn by hypothesis, and must reproduce every out
 `reference.ragged_ssd_scan` on the same inputs: the row layout (`chunk_seq`, `chunk_end`)
 exactly, y (zero for padding), the final states and the state after every used row.
 
-Tolerance: `assert_close` allows 1e-4 of the largest expected magnitude. Kernel and
+Tolerance: 1e-4 of the largest expected magnitude. Kernel and
 reference both compute in float32 from the same input values (bfloat16 inputs are exact in
 float32, and both upcast them before any arithmetic), so they differ only by rounding: the
 order of the float32 sums (a chunk's quadratic form, tile by tile instead of at once), the
@@ -36,7 +36,7 @@ from hypothesis import example, given, settings
 
 from pallas_kernels.ssd import kernel_gpu, kernel_tpu
 from pallas_kernels.ssd.reference import ragged_ssd_scan as reference_scan
-from tests.pallas_kernels.tolerance import assert_close_to_scale
+from tests.pallas_kernels.scan_checks import assert_kernel_matches_reference
 
 NUM_SEQS = 4  # S of every drawn batch
 
@@ -107,24 +107,13 @@ def make_inputs(setup: Setup, lengths, starts, num_groups: int, dtype, seed: int
     return inputs
 
 
-assert_close = functools.partial(assert_close_to_scale, tol=1e-4)  # see the module docstring
-
-
 def check_against_reference(setup: Setup, lengths, starts, num_groups: int, dtype, seed: int, **options) -> None:
     """Runs `setup`'s kernel and the reference on the same drawn inputs and compares every output."""
     inputs = make_inputs(setup, lengths, starts, num_groups, dtype, seed, **options)
     got = setup.kernel(**inputs)
     want = _reference(**inputs, chunk_size=setup.chunk_size)
-    for name in want._fields:
-        assert getattr(got, name).shape == getattr(want, name).shape, name
-        assert getattr(got, name).dtype == getattr(want, name).dtype, name
-    np.testing.assert_array_equal(got.chunk_seq, want.chunk_seq)
-    np.testing.assert_array_equal(got.chunk_end, want.chunk_end)
-    assert_close(got.y, want.y)
+    assert_kernel_matches_reference(got, want, len(lengths), tol=1e-4)  # see the module docstring
     np.testing.assert_array_equal(np.asarray(got.y)[int(sum(lengths)) :], 0.0)  # padding tokens
-    assert_close(got.final_states, want.final_states)
-    used = np.asarray(want.chunk_seq) < len(lengths)  # unused rows' states are unspecified
-    assert_close(np.asarray(got.chunk_states)[used], np.asarray(want.chunk_states)[used])
 
 
 @st.composite
