@@ -13,14 +13,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import PyTreeDef
 
 from jaxengine.engine.pools import allocate_pools
-from jaxengine.engine.sampler import SampleOutput, SamplingBatch, prompt_logprobs, sample_tokens
+from jaxengine.engine.sampler import SampleOutput, SamplingBatch, draft_tokens, prompt_logprobs, sample_tokens
 from jaxengine.engine.step_executables import StepExecutables
 from jaxengine.engine.step_store import StepStore
 from jaxengine.models.batch import Pools, StepBatch
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.draft_chain import draft_model_drafts
 from jaxengine.models.kernels import kernel_ops
-from jaxengine.models.mtp import mtp_drafts
+from jaxengine.models.mtp import last_accepted_rows, mtp_drafts
 
 
 def _model_step(
@@ -55,15 +55,21 @@ def _sample_step(
     h, pools = model(pools, batch, decode=decode, hidden=True)  # [T, D]
     out = sample_tokens(model.head(h[sampling.sample_rows.reshape(-1)]), sampling, num_logprobs)
     out = dataclasses.replace(out, prompt=prompt_logprobs(model.head, h, sampling.next_ids, num_logprobs))
+    last = last_accepted_rows(batch, sampling.sample_rows, sampling.num_drafts, out.tokens)  # [S]
+
+    def choose(logits: jax.Array, i: int | jax.Array) -> jax.Array:
+        return draft_tokens(logits, sampling, last, i)
+
     if model.mtp is not None:
         drafts, pools = mtp_drafts(model, pools, batch, sampling.sample_rows, sampling.num_drafts,
-                                   sampling.following_ids, sampling.wants_drafts, h, out.tokens, num_step_drafts,
-                                   kernel_ops(model.kernels))
+                                   sampling.following_ids, sampling.wants_drafts, h, out.tokens, last, choose,
+                                   num_step_drafts, kernel_ops(model.kernels))
         out = dataclasses.replace(out, drafts=drafts)
     if draft_graphdef is not None:
         draft = nnx.merge(draft_graphdef, jax.tree.unflatten(draft_treedef, draft_leaves))
         drafts, draft_pools = draft_model_drafts(draft, draft_pools, batch, sampling.sample_rows, sampling.num_drafts,
-                                                 sampling.wants_drafts, out.tokens, num_step_drafts, decode)
+                                                 sampling.wants_drafts, out.tokens, last, choose, num_step_drafts,
+                                                 decode)
         out = dataclasses.replace(out, drafts=drafts)
     # The pools in the order jit flattens the (keyword) arguments: it gives each donated
     # input buffer to the first output of its shape, and a draft may have the target's shapes.

@@ -162,17 +162,17 @@ def _filter(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     return jnp.where(p < sb.min_p[:, None] * p.max(axis=-1, keepdims=True), -jnp.inf, logits)
 
 
-def sample_tokens(logits: jax.Array, seq_sb: SamplingBatch, num_logprobs: int) -> SampleOutput:
-    """Samples one token per sample row of `logits` [S * W, V] (row j of sequence i at
-    i * W + j) under its sequence's settings."""
-    num_seqs, width = seq_sb.sample_rows.shape
-    rows = row_settings(seq_sb)
-    # Per-row settings (the history stays per sequence: `rows` says how much of it each row counts).
+def _per_row(seq_sb: SamplingBatch, rows: RowSettings) -> SamplingBatch:
+    """The sequences' settings gathered per row (the history stays per sequence: `rows` says
+    how much of it each row counts)."""
     per_row = {f.name: getattr(seq_sb, f.name)[rows.seq] for f in dataclasses.fields(seq_sb)
-               if f.name not in ("history", "sample_rows", "steps", "next_ids")}
-    sb = dataclasses.replace(seq_sb, **per_row, steps=rows.steps)
-    logits = jnp.asarray(logits, jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+               if f.name not in ("history", "sample_rows", "steps", "next_ids", "following_ids")}
+    return dataclasses.replace(seq_sb, **per_row, steps=rows.steps)
+
+
+def _choose(logits: jax.Array, sb: SamplingBatch, rows: RowSettings) -> jax.Array:
+    """One token per row of `logits` [R, V] float32 under the per-row settings `sb`: bans,
+    restrictions and penalties, then greedy or a draw with the row's key (seed, output index)."""
     banned = jnp.where((rows.steps < sb.min_tokens)[:, None], sb.banned, -1)
     logits = _ban(logits, banned)
     restricted = jnp.any(sb.bias_ids >= 0) | jnp.any(sb.allowed_ids >= 0) | jnp.any(sb.bad_ids >= 0)
@@ -194,7 +194,18 @@ def sample_tokens(logits: jax.Array, seq_sb: SamplingBatch, num_logprobs: int) -
     # The filters sort the vocabulary and the draw makes V random numbers per row: skip
     # both when every row is greedy.
     drawn = jax.lax.cond(jnp.any(sb.temperature > 0), sample, lambda scaled: greedy, logits / temp[:, None])
-    tokens = jnp.where(sb.temperature > 0, drawn, greedy).astype(jnp.int32)
+    return jnp.where(sb.temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+def sample_tokens(logits: jax.Array, seq_sb: SamplingBatch, num_logprobs: int) -> SampleOutput:
+    """Samples one token per sample row of `logits` [S * W, V] (row j of sequence i at
+    i * W + j) under its sequence's settings."""
+    num_seqs, width = seq_sb.sample_rows.shape
+    rows = row_settings(seq_sb)
+    sb = _per_row(seq_sb, rows)
+    logits = jnp.asarray(logits, jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    tokens = _choose(logits, sb, rows)
 
     chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
 
@@ -210,3 +221,21 @@ def sample_tokens(logits: jax.Array, seq_sb: SamplingBatch, num_logprobs: int) -
     top_logprobs, top_ids, rank = jax.lax.cond(jnp.any(sb.wants_logprobs), top, none, raw_logprobs)
     by_seq = lambda a: a.reshape(num_seqs, width, *a.shape[1:])  # noqa: E731
     return SampleOutput(by_seq(tokens), by_seq(chosen), by_seq(top_logprobs), by_seq(top_ids), by_seq(rank))
+
+
+def draft_tokens(logits: jax.Array, seq_sb: SamplingBatch, last: jax.Array, i: int | jax.Array) -> jax.Array:
+    """Each sequence's draft after its last accepted row `last` [S] and `i` drafts before it,
+    from the draft's `logits` [S, V]: chosen as the target will choose that output index next
+    step, with the same settings and the same key, so the same Gumbel noise (`categorical`
+    draws argmax(logits + gumbel(key))). Where the draft's distribution is the target's the
+    two draws agree, so a sampled request keeps its drafts as a greedy one does, and the
+    verify step's rule (keep drafts while they equal the target's own draw) is unchanged:
+    outputs are the target's draws, the same tokens as without speculation. The draft's
+    penalties count the history up to its last accepted row only (an approximation: it can
+    cost acceptance, never exactness). -> [S] int32"""
+    num_seqs, width = seq_sb.sample_rows.shape
+    at = jnp.arange(num_seqs) * width + last
+    verify_rows = row_settings(seq_sb)
+    rows = RowSettings(jnp.arange(num_seqs, dtype=jnp.int32), verify_rows.steps[at] + 1 + i,
+                       verify_rows.history_lens[at])
+    return _choose(jnp.asarray(logits, jnp.float32), _per_row(seq_sb, rows), rows)

@@ -13,7 +13,13 @@ deterministic draft (one token per position, as ngram's) this is the standard re
 seeded outputs are the same tokens with and without speculation.
 
 The `mtp` and `draft_model` methods draft inside the step (`models/mtp.py`,
-`models/draft_chain.py`): greedily, so deterministic drafts too, for the step after.
+`models/draft_chain.py`) for the step after, each draft chosen from the draft's logits as the
+target will choose that output index: same settings, same key (`sampler.draft_tokens`). The
+drafts are then deterministic given the key, and the rule above still holds for them (q is
+one-hot given the noise); since the draft and the target share the Gumbel noise of each
+draw, a draft whose distribution is near the target's draws the target's token with high
+probability at any temperature (drafting greedily caps acceptance at the target's
+probability of its top token).
 """
 
 import dataclasses

@@ -7,9 +7,10 @@ too, and its recurrent states in live slots of the same indices. Every step runs
 step's tokens, as the target, so every computed position has the draft's KV entry and state
 (a prefix hit brings the draft's with the target's; nothing is recomputed for it).
 
-Then, when some sequence may verify drafts next step, it drafts k greedy tokens per sequence
+Then, when some sequence may verify drafts next step, it drafts k tokens per sequence
 after that sequence's last accepted token: k one-token steps of the draft, the first on the
-step's own sample there (the target's next token), each next one on the draft just made.
+step's own sample there (the target's next token), each next one on the draft just made,
+each token chosen from the draft's logits by the engine's `choose` (as the target will draw).
 These run on a copy of each sequence's draft state in a small pool of their own (the live
 slots hold what the next step reads) and write KV entries past the accepted positions, which
 the next step overwrites.
@@ -21,22 +22,23 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.models.batch import Pools, StepBatch, token_layout
-from jaxengine.models.mtp import last_accepted_rows
+from jaxengine.models.mtp import DraftChooser
 
 
 def draft_model_drafts(
     draft, pools: Pools, batch: StepBatch, sample_rows: jax.Array, num_drafts: jax.Array, wants_drafts: jax.Array,
-    sampled: jax.Array, num_speculative_tokens: int, decode: bool,
+    sampled: jax.Array, last: jax.Array, choose: DraftChooser, num_speculative_tokens: int, decode: bool,
 ) -> tuple[jax.Array, Pools]:
     """Runs the draft model over the step's tokens and, when some sequence `wants_drafts` [S],
-    drafts `num_speculative_tokens` greedy tokens per sequence after its last accepted one.
+    drafts `num_speculative_tokens` tokens per sequence after its last accepted one, each
+    picked by `choose` from the draft's logits.
 
-    sample_rows [S, W] flat token indices, num_drafts [S], sampled [S, W]: the step's samples.
+    sample_rows [S, W] flat token indices, num_drafts [S], sampled [S, W]: the step's samples;
+    last [S]: each sequence's last accepted sample row (`last_accepted_rows`).
     Returns drafts [S, k] int32 (zeros when none is wanted) and the draft's pools after the step."""
     _, pools = draft(pools, batch, decode=decode, hidden=True)  # the hidden states are not needed: dropped
     num_seqs = sampled.shape[0]
     page_size = pools.k_pages[0].shape[1] if pools.k_pages else 1
-    last = last_accepted_rows(batch, sample_rows, num_drafts, sampled)  # [S]
     row = jnp.take_along_axis(sample_rows, last[:, None], axis=1)[:, 0]  # [S] flat token index
     first_token = jnp.take_along_axis(sampled, last[:, None], axis=1)[:, 0]  # [S]: the target's next token
     start = token_layout(batch, page_size).positions[row] + 1  # [S]: its position
@@ -60,7 +62,7 @@ def draft_model_drafts(
         pos = jnp.minimum(start + i, capacity - 1)  # past the page table: drafts the host never uses
         step = dataclasses.replace(chain, input_ids=tokens, kv_lens=pos + 1)
         logits, out = draft(Pools(k_pages, v_pages, pools.checkpoints, states), step, decode=True)
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S]
+        tokens = choose(logits, i)  # [S]
         return tokens, drafts.at[seqs, i].set(tokens), out.k_pages, out.v_pages, out.states
 
     drafts = jnp.zeros((num_seqs, num_speculative_tokens), jnp.int32)

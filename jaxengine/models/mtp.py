@@ -22,6 +22,7 @@ wherever the draft was accepted, and is the target's correction at the first rej
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,9 @@ class Mtp(nnx.Module):
         return self.norm(self.layers[0].feed_forward(cfg, add_residual(cfg, x, attention_out)))
 
 
+DraftChooser = Callable[[jax.Array, int], jax.Array]  # (logits [S, V], drafts before it) -> draft [S] int32
+
+
 def last_accepted_rows(batch: StepBatch, sample_rows: jax.Array, num_drafts: jax.Array, sampled: jax.Array) -> jax.Array:
     """Per sequence, the sample row (0..W-1) of its last accepted token: the host's `accept`
     done on device (drafts kept while the target's sample after the row before agrees).
@@ -70,12 +74,15 @@ def last_accepted_rows(batch: StepBatch, sample_rows: jax.Array, num_drafts: jax
 
 def mtp_drafts(
     model, pools: Pools, batch: StepBatch, sample_rows: jax.Array, num_drafts: jax.Array, following_ids: jax.Array,
-    wants_drafts: jax.Array, hidden: jax.Array, sampled: jax.Array, num_speculative_tokens: int, ops: KernelOps,
+    wants_drafts: jax.Array, hidden: jax.Array, sampled: jax.Array, last: jax.Array, choose: DraftChooser,
+    num_speculative_tokens: int, ops: KernelOps,
 ) -> tuple[jax.Array, Pools]:
     """Runs the MTP module over the step's tokens and, when some sequence `wants_drafts` [S],
-    drafts `num_speculative_tokens` greedy tokens per sequence after its last accepted one.
+    drafts `num_speculative_tokens` tokens per sequence after its last accepted one, each
+    picked by `choose` from the module's logits.
 
     hidden [T, D]: the target's final hidden states; sampled [S, W]: the step's samples;
+    last [S]: each sequence's last accepted sample row (`last_accepted_rows`);
     following_ids [T]: the token after each token where the host knows it, else -1.
     Returns drafts [S, k] int32 (zeros when none is wanted) and the pools with the MTP
     layer's KV entries written.
@@ -102,10 +109,9 @@ def mtp_drafts(
     g = _layer_pass(model, following, hidden, layout.positions, layout.slot_mapping, batch, store, kv, ops,
                     _call)  # [T, D]
 
-    last = last_accepted_rows(batch, sample_rows, num_drafts, sampled)
     row = jnp.take_along_axis(sample_rows, last[:, None], axis=1)[:, 0]  # [S] flat token index
     g = g[row]  # [S, D]
-    draft = when(_greedy, model, g)
+    draft = when(lambda g: choose(model.head(g), 0), g)
     drafts = [draft]
     start = layout.positions[row]  # [S]
     pages_per_seq = batch.page_table.shape[1]
@@ -120,7 +126,7 @@ def mtp_drafts(
         slot = jnp.where(wanted & (pos < capacity), page * page_size + pos % page_size, 0)
         step = dataclasses.replace(step, kv_lens=jnp.minimum(pos + 1, capacity))
         g = _layer_pass(model, draft, g, pos, slot, step, store, kv, ops, when)
-        draft = when(_greedy, model, g)
+        draft = when(lambda g, i=i: choose(model.head(g), i), g)
         drafts.append(draft)
     return jnp.stack(drafts, axis=1), pools.with_store(store, pools.states)
 
@@ -142,10 +148,6 @@ def _layer_pass(model, ids: jax.Array, hidden: jax.Array, positions: jax.Array, 
     x, q, gate, k, v = when(project, ids, hidden, positions)
     store[kv], store[kv + 1] = ops.write_kv_pages(store[kv], store[kv + 1], k, v, slots)
     return when(finish, x, q, gate, store[kv], store[kv + 1], batch)
-
-
-def _greedy(model, g: jax.Array) -> jax.Array:  # [S, D] -> [S] int32
-    return jnp.argmax(model.head(g), axis=-1).astype(jnp.int32)
 
 
 def _call(fn, *args):

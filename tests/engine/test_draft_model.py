@@ -1,7 +1,8 @@
 """Speculative decoding with a draft model: its drafts are the draft's own greedy continuation
 (transformers without a cache: after a prefill, after verify steps that accept every draft or
 none, after a prefix hit), the tokens are those of plain decoding, a draft that is the target
-itself is always accepted, on a prefix hit too, and a draft that cannot serve is refused."""
+itself is always accepted, on a prefix hit and when sampling too, and a draft that cannot
+serve is refused."""
 
 import json
 import shutil
@@ -102,6 +103,20 @@ def test_the_target_as_its_own_draft_is_always_accepted_on_a_prefix_hit_too(mode
     assert second.num_cached_tokens >= 272
     stats = llm.stats()
     assert stats["spec_draft_tokens"] >= 2 * 5 * K and stats["spec_acceptance_rate"] == 1.0
+
+
+def test_the_target_as_its_own_draft_is_accepted_when_sampling_too(models):
+    """A draft draws with the key the target will use for that output index, so a draft
+    with the target's distribution draws the target's tokens at any temperature (drafting
+    greedily would keep a draft only with the target's probability of its top token)."""
+    path, _ = models("bamba")
+    llm = LLM(path, speculative_config=_spec(path), **ARGS)
+    params = [SamplingParams(max_tokens=24, temperature=t, top_k=k, seed=s, ignore_eos=True)
+              for t, k, s in ((1.0, 0, 1), (0.7, 20, 2), (1.5, 0, 3))]
+    outs = llm.generate(_prompts()[:3], params, use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 3
+    stats = llm.stats()
+    assert stats["spec_draft_tokens"] >= 3 * 4 * K and stats["spec_acceptance_rate"] >= 0.95, stats
 
 
 @pytest.mark.slow  # the host's preemption of in-step drafting is run fast by test_mtp.py

@@ -167,6 +167,28 @@ def test_verify_rows_draw_each_output_index_as_a_plain_step_would():
         np.testing.assert_allclose(verify.logprob[0, 1 + j], want.logprob[0], rtol=1e-6)
 
 
+def test_a_draft_is_drawn_as_the_target_will_draw_its_output_index():
+    """The i-th draft after a sequence's last accepted row r uses the key of output index
+    steps + (r - first row) + 1 + i: on the target's own logits it is the token a plain step
+    draws there, whatever the seed, with min_tokens counted at that index."""
+    n = 64
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(n, VOCAB)).astype(np.float32) * 2
+    last = np.full(n, 2, np.int32)  # width 4, 2 drafts: rows 1..3 used, row 2 the last accepted
+    settings = dict(temperature=np.full(n, 0.9), seeds=np.arange(n) * 7 + 1, banned=np.tile([[5, -1, -1, -1]], (n, 1)),
+                    min_tokens=np.full(n, 6))
+    verify = _batch(n, steps=np.full(n, 3), sample_rows=np.tile(np.arange(4), (n, 1)), num_drafts=np.full(n, 2),
+                    **settings)
+    draft = jax.jit(sampler.draft_tokens)
+    for i in range(3):
+        index = 3 + (2 - 1) + 1 + i  # the last accepted row draws index 4; its i-th draft index 5 + i
+        want = sample_tokens(logits, _batch(n, steps=np.full(n, index), **settings), num_logprobs=1).tokens
+        got = draft(logits, verify, last, i)
+        np.testing.assert_array_equal(got, want)
+        assert (np.asarray(got) == 5).any() == (index >= 6), i  # banned below min_tokens only
+    assert len(set(np.asarray(draft(logits, verify, last, 0)).tolist())) > 2  # drawn, not greedy
+
+
 def test_logit_bias_allowed_ids_and_bad_ids_shape_the_draw_but_not_the_raw_logprobs():
     logits = np.repeat(LOGITS, 4, axis=0)
     sb = _batch(
