@@ -17,13 +17,16 @@ What it measures:
      heads, the same with float32 inputs and 64 heads, and a decode-ish batch (64
      sequences of 1-8 tokens at positions up to 8000; 128 heads in 8 groups). The ragged
      Mamba-1 selective scan (Jamba-Mini's 8192 channels, state 16, chunk 64): the same
-     prefill and decode-ish batches with bf16 inputs.
+     prefill and decode-ish batches with bf16 inputs. The ragged gated delta rule (Qwen3.5's
+     16 key heads read by 32 value heads, d_k = d_v = 128, chunk 64): the same prefill and
+     decode-ish batches with bf16 q, k and v.
      Correctness: max abs error against the reference run at float32 matmul precision
      (XLA may use TF32 for float32 dots by default), within the tolerances below.
      Timing: median of 20 runs after a warm-up, each waited for with block_until_ready;
      the reference at default precision, as the engine runs it. Floors: the bytes each
      kernel must move once (q, out and every context's keys and values; the SSD inputs,
-     states in and out, y) and the FLOPs of the causal products.
+     states in and out, y) and the FLOPs of the causal products (for the gated delta rule,
+     those of its chunked form, whatever form the kernel computes).
   3. Engine: a random 1.05B-parameter hybrid Bamba (hidden 2048, 16 layers of which 3
      attention with 16 heads of 128 over 4 KV heads, Mamba heads 64 x 64, state 128,
      chunk 256, vocab 32k) built from `BambaConfig`, saved to a temporary directory and
@@ -52,7 +55,7 @@ probabilities and the output to bf16; see tests/pallas_kernels); queries are sca
 softmax is peaked and a wrong page or mask moves outputs by O(1). SSD: 5e-4 of each
 output's largest magnitude (y, final states, states of used chunk rows; the kernel tests
 allow 1e-4 at small shapes, here a value sums up to 256 x 128 products), and the row
-layout exactly; the selective scan the same. Engine: at most 25% of requests may differ in their first greedy token
+layout exactly; the selective scan and the gated delta rule the same. Engine: at most 25% of requests may differ in their first greedy token
 (bf16 rounding can only flip near-ties, which the random lm_head makes rare by spreading
 the logits to a std of ~4.5; a broken kernel changes almost every token).
 
@@ -87,6 +90,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.gated_delta import kernel_gpu as gated_delta_gpu
+from pallas_kernels.gated_delta.reference import ragged_gated_delta
 from pallas_kernels.ragged_paged_attention import kernel_gpu as attention_gpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 from pallas_kernels.selective_scan import kernel_gpu as selective_gpu
@@ -151,6 +156,20 @@ class SelectiveCase:
 
 
 @dataclasses.dataclass(frozen=True)
+class GatedDeltaCase:
+    name: str
+    lengths: tuple[int, ...]  # tokens per sequence
+    start_pos: tuple[int, ...]  # absolute position of each sequence's first token
+    num_pad: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    chunk_size: int
+    dtype: str  # of q, k and v
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineSpec:
     decode_batch: int  # also max_num_seqs
     decode_prompt_len: int  # decode_batch * decode_prompt_len == step_tokens: one prefill step
@@ -175,6 +194,7 @@ class Plan:
     attention: tuple[AttentionCase, ...]
     ssd: tuple[SsdCase, ...]
     selective: tuple[SelectiveCase, ...]
+    gated_delta: tuple[GatedDeltaCase, ...]
     engine: EngineSpec
     kernel_case_s: float  # time a kernel case may take (for the deadline)
     engine_build_s: float
@@ -193,6 +213,7 @@ def full_plan() -> Plan:
     mixed_q = (512, 256, 128, 64) + (1,) * 60
     ssd = dict(head_dim=64, state_size=128, chunk_size=256)
     selective = dict(channels=8192, state_size=16, chunk_size=64, dtype="bfloat16")
+    gated_delta = dict(key_heads=16, value_heads=32, key_dim=128, value_dim=128, chunk_size=64, dtype="bfloat16")
     prefill = dict(lengths=(2048,) * 4, start_pos=(0, 0, 256, 1000), num_pad=0)
     decodeish = dict(lengths=_lengths(rng, 64, 1, 8), start_pos=_lengths(rng, 64, 0, 8000), num_pad=16)
     bamba = dict(
@@ -230,6 +251,10 @@ def full_plan() -> Plan:
             SelectiveCase("selective prefill bf16", **prefill, **selective),
             SelectiveCase("selective decode-ish bf16", **decodeish, **selective),
         ),
+        gated_delta=(
+            GatedDeltaCase("gated delta prefill bf16", **prefill, **gated_delta),
+            GatedDeltaCase("gated delta decode-ish bf16", **decodeish, **gated_delta),
+        ),
         engine=EngineSpec(
             decode_batch=64,
             decode_prompt_len=32,
@@ -251,6 +276,7 @@ def quick_plan() -> Plan:
     heads = dict(q_heads=8, kv_heads=2, head_dim=32)
     ssd = dict(num_heads=2, num_groups=1, head_dim=64, state_size=32, chunk_size=64)
     selective = dict(channels=256, state_size=16, chunk_size=16, dtype="bfloat16")
+    gated_delta = dict(key_heads=1, value_heads=2, key_dim=16, value_dim=64, chunk_size=16, dtype="bfloat16")
     bamba = dict(
         vocab_size=256,
         hidden_size=64,
@@ -285,6 +311,10 @@ def quick_plan() -> Plan:
         selective=(
             SelectiveCase("selective prefill bf16", (40, 30), (0, 50), 0, **selective),
             SelectiveCase("selective decode-ish bf16", (1, 3, 2, 1), (0, 63, 64, 150), 5, **selective),
+        ),
+        gated_delta=(
+            GatedDeltaCase("gated delta prefill bf16", (40, 30), (0, 50), 0, **gated_delta),
+            GatedDeltaCase("gated delta decode-ish bf16", (1, 3, 2, 1), (0, 63, 64, 150), 5, **gated_delta),
         ),
         engine=EngineSpec(
             decode_batch=4,
@@ -504,7 +534,7 @@ def ssd_inputs(case: SsdCase) -> tuple[jax.Array, ...]:
     return (*draw(random_key()), jnp.asarray(cu_seqlens), jnp.asarray(case.start_pos, jnp.int32))
 
 
-def ssd_rows(case: SsdCase | SelectiveCase) -> list[int]:
+def ssd_rows(case: SsdCase | SelectiveCase | GatedDeltaCase) -> list[int]:
     """Tokens of each (sequence, absolute chunk) row."""
     rows = []
     for length, start in zip(case.lengths, case.start_pos):
@@ -563,17 +593,57 @@ def selective_cost(case: SelectiveCase) -> tuple[float, float]:
 
 
 def ssd_checks(got: RaggedScanOutput, want: RaggedScanOutput) -> list[Check]:
-    """y, final states and the states of used rows within SSD_RTOL of their magnitude; the
-    row layout exactly. (The selective scan's outputs have the same fields.)"""
+    """The per-token output (y, or the gated delta rule's o), final states and the states of
+    used rows within SSD_RTOL of their magnitude; the row layout exactly. (The selective scan's
+    and the gated delta rule's outputs have the same fields but the first one's name.)"""
     used = (want.chunk_seq < want.final_states.shape[0]).reshape(-1, *[1] * (want.chunk_states.ndim - 1))
     pairs = {
-        "y": (got.y, want.y),
+        want._fields[0]: (got[0], want[0]),
         "final_states": (got.final_states, want.final_states),
         "chunk_states": (jnp.where(used, got.chunk_states, 0), jnp.where(used, want.chunk_states, 0)),
     }
     checks = [Check(k, max_abs(a, b), SSD_RTOL * float(jnp.max(jnp.abs(b)))) for k, (a, b) in pairs.items()]
     same = bool(jnp.array_equal(got.chunk_seq, want.chunk_seq) & jnp.array_equal(got.chunk_end, want.chunk_end))
     return [*checks, Check("row layout", 0.0 if same else 1.0, 0.0)]
+
+
+def gated_delta_inputs(case: GatedDeltaCase) -> tuple[jax.Array, ...]:
+    """q, k (L2-normalised), v, g, beta, init_states, cu_seqlens, start_pos; g in [-0.5, -1e-3]
+    (log-uniform), beta in [0, 1]."""
+    num_tokens = sum(case.lengths) + case.num_pad
+    hk, hv, dk, dv = case.key_heads, case.value_heads, case.key_dim, case.value_dim
+    dtype, f32 = jnp.dtype(case.dtype), jnp.float32
+
+    def unit(x: jax.Array) -> jax.Array:
+        return (x / jnp.linalg.norm(x, axis=-1, keepdims=True)).astype(dtype)
+
+    @jax.jit  # one compile, and drawn on the device
+    def draw(key: jax.Array) -> tuple[jax.Array, ...]:
+        kq, kk, kv, kg, kb, ks = jax.random.split(key, 6)
+        return (
+            unit(jax.random.normal(kq, (num_tokens, hk, dk), f32)),
+            unit(jax.random.normal(kk, (num_tokens, hk, dk), f32)),
+            jax.random.normal(kv, (num_tokens, hv, dv), dtype),
+            -jnp.exp(jax.random.uniform(kg, (num_tokens, hv), f32, math.log(1e-3), math.log(0.5))),
+            jax.random.uniform(kb, (num_tokens, hv), f32),
+            jax.random.normal(ks, (len(case.lengths), hv, dk, dv), f32),
+        )
+
+    cu_seqlens = np.concatenate([[0], np.cumsum(case.lengths)]).astype(np.int32)
+    return (*draw(random_key()), jnp.asarray(cu_seqlens), jnp.asarray(case.start_pos, jnp.int32))
+
+
+def gated_delta_cost(case: GatedDeltaCase) -> tuple[float, float]:
+    """(bytes, FLOPs): inputs and init states read, o, row and final states written once; per
+    head and row of L tokens the chunked form's causal k k^T and q k^T, its triangular solve
+    for [U | W], the correction products with the state (W S, q S, k^T V') and lower(q k^T) V'."""
+    itemsize = jnp.dtype(case.dtype).itemsize
+    hk, hv, dk, dv = case.key_heads, case.value_heads, case.key_dim, case.value_dim
+    num_tokens, num_seqs, rows = sum(case.lengths) + case.num_pad, len(case.lengths), ssd_rows(case)
+    inputs = num_tokens * (2 * hk * dk * itemsize + hv * dv * itemsize + 2 * hv * 4)
+    num_bytes = inputs + num_tokens * hv * dv * 4 + (2 * num_seqs + len(rows)) * hv * dk * dv * 4
+    per_head = sum(2 * L * (L + 1) * dk + L * (L - 1) * (dk + dv) + 6 * L * dk * dv + L * (L + 1) * dv for L in rows)
+    return num_bytes, hv * per_head
 
 
 def kernel_row(
@@ -648,10 +718,21 @@ def selective_row(case: SelectiveCase, roofline: Roofline | None, repeats: int, 
     return row
 
 
+def gated_delta_row(case: GatedDeltaCase, roofline: Roofline | None, repeats: int, interpret: bool) -> Row:
+    static = dict(chunk_size=case.chunk_size, scale=case.key_dim**-0.5)
+    kernel = jax.jit(functools.partial(gated_delta_gpu.ragged_gated_delta, **static, interpret=interpret))
+    reference = jax.jit(functools.partial(ragged_gated_delta, **static))
+    args = gated_delta_inputs(case)
+    row = kernel_row(case.name, kernel, reference, args, ssd_checks, gated_delta_cost(case), roofline, repeats)
+    row.details["case"] = dataclasses.asdict(case)
+    return row
+
+
 def kernel_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, interpret: bool) -> list[Row]:
     cases: list[tuple[Any, Callable[..., Row]]] = [(c, attention_row) for c in plan.attention]
     cases += [(c, ssd_row) for c in plan.ssd]
     cases += [(c, selective_row) for c in plan.selective]
+    cases += [(c, gated_delta_row) for c in plan.gated_delta]
     rows = []
     for case, check in cases:
         if deadline.allows(plan.kernel_case_s):

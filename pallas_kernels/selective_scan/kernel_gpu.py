@@ -147,9 +147,10 @@ def ragged_selective_scan(
     seq, _, valid = ragged.token_segments(cu_seqlens, num_tokens)
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     first = valid & (t == cu_seqlens[seq])
-    row_of_end = jnp.full((num_tokens,), -1, jnp.int32).at[rows.row_start + rows.row_len - 1].set(
+    last_token = jnp.where(rows.row_len > 0, rows.row_start + rows.row_len - 1, num_tokens)  # unused rows: dropped
+    row_of_end = jnp.full((num_tokens,), -1, jnp.int32).at[last_token].set(
         jnp.arange(rows.chunk_seq.shape[0], dtype=jnp.int32), mode="drop"
-    )  # unused rows (row_len 0) point past the tokens and are dropped
+    )
     padded = pl.cdiv(num_tokens, TILE) * TILE
 
     f32 = jnp.float32

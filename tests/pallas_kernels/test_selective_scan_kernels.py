@@ -73,6 +73,15 @@ def test_kernel_lowers(kernel, platform, marker, dtype):
     assert marker in exported.mlir_module()
 
 
+def test_gpu_kernel_on_a_batch_without_padding_tokens():
+    """Every token belongs to a sequence, so the last token ends a used row: the rows a
+    batch does not use must not claim it (they once overwrote the last row's state)."""
+    lengths, starts = [CHUNK + 1, 0, 2 * CHUNK + 3, 5], [1, 0, CHUNK - 1, 0]
+    inputs = make_inputs(np.random.default_rng(3), lengths, starts, 0, jnp.float32, channels=128, state=8)
+    kernel = KERNELS["gpu"][0]
+    assert_kernel_matches_reference(kernel(**inputs), reference(**inputs), NUM_SEQS, tol=1e-4)
+
+
 def test_gpu_kernel_refuses_shapes_it_does_not_take():
     inputs = make_inputs(np.random.default_rng(0), [3], [0], 0, jnp.float32, channels=96, state=8)
     with pytest.raises(ValueError, match="multiple of 128"):

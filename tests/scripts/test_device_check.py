@@ -19,6 +19,8 @@ KERNEL_ROWS = [
     "ssd decode-ish bf16",
     "selective prefill bf16",
     "selective decode-ish bf16",
+    "gated delta prefill bf16",
+    "gated delta decode-ish bf16",
 ]
 ON_GPU = jax.default_backend() == "gpu"
 ENGINE_ROWS = ["engine decode b4", "engine prefill 4x8", "engine load / first runs", "engine first tokens auto vs ref",
@@ -98,6 +100,14 @@ def test_costs():
     # x, dt, B and C of 4 tokens (padding included), y, then the initial, final and one row's states
     assert num_bytes == 4 * (4 * 4 + 4 * 4 + 2 * 2 * 4) + 4 * 4 * 4 + 3 * 4 * 2 * 4
     assert flops == 6 * 4 * 4 * 2
+    delta = device_check.GatedDeltaCase(
+        "d", (3,), (0,), 1, key_heads=1, value_heads=2, key_dim=2, value_dim=4, chunk_size=4, dtype="float32"
+    )
+    num_bytes, flops = device_check.gated_delta_cost(delta)
+    # q, k, v, g and beta of 4 tokens (padding included), o, then the initial, final and one row's states
+    assert num_bytes == 4 * (2 * 2 * 4 + 2 * 4 * 4 + 2 * 2 * 4) + 4 * 2 * 4 * 4 + 3 * 2 * 2 * 4 * 4
+    # one row of 3 tokens per value head: k k^T and q k^T, the solve, three state products, lower(q k^T) V'
+    assert flops == 2 * (2 * 3 * 4 * 2 + 3 * 2 * (2 + 4) + 6 * 3 * 2 * 4 + 3 * 4 * 4)
 
 
 def test_engine_report_when_a_mode_did_not_run():
