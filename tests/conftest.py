@@ -10,6 +10,8 @@ from jax.experimental.compilation_cache import compilation_cache
 from transformers import logging as hf_logging
 
 hf_logging.set_verbosity_error()
+# Eight CPU devices, for the tensor-parallel tests; an engine uses one unless told otherwise.
+jax.config.update("jax_num_cpu_devices", 8)
 # Engines built with the default compilation_cache_dir (~/.cache/jaxengine/xla) store their
 # steps under a home of this run's own: a test never loads steps another run stored.
 os.environ["HOME"] = tempfile.mkdtemp(prefix="jaxengine-tests-home-")

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from flax import nnx
 
+from jaxengine.engine.mesh import Parallelism
 from jaxengine.models.config import ModelConfig, load_model_config
 from jaxengine.models.loader import load_model
 
@@ -12,7 +13,7 @@ WHERE = "engine argument speculative_config.model"
 
 
 def load_draft(
-    model_dir: str, target: ModelConfig, *, dtype: str, kernels: str, max_model_len: int
+    model_dir: str, target: ModelConfig, *, dtype: str, kernels: str, max_model_len: int, parallelism: Parallelism
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
     """The draft model at `model_dir`, in the target's dtype and kernels; a ValueError naming
     the field if it cannot draft for `target`.
@@ -39,4 +40,5 @@ def load_draft(
     if cfg.num_attention_layers and max_model_len > cfg.max_position_embeddings:
         raise ValueError(f"{WHERE}={model_dir!r}: max_model_len={max_model_len} exceeds the draft's "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
+    parallelism.validate(cfg, f"the draft model {WHERE}={model_dir!r}")
     return load_model(path, dtype, kernels)

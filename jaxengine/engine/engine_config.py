@@ -6,6 +6,7 @@ from pathlib import Path
 
 from jaxengine.cache import checkpoint_policy
 from jaxengine.engine import vllm_args
+from jaxengine.engine.mesh import Parallelism
 from jaxengine.engine.pools import recurrent_block_elems
 from jaxengine.engine.speculative import SpeculativeConfig
 from jaxengine.models.config import ModelConfig
@@ -74,6 +75,10 @@ class EngineConfig:
     # vLLM's speculative decoding settings, e.g. {"method": "ngram", "num_speculative_tokens": 3}
     # (`speculative.py`); None: no speculation.
     speculative_config: dict | None = None
+    # Tensor parallelism: the model's heads, MLP columns, vocabulary and recurrent channels split
+    # over this many devices (`mesh.py`); with enable_expert_parallel, a mixture's experts.
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -83,11 +88,11 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"engine argument {name} must be a positive integer, got {value!r}")
 
-        for name in ("enable_prefix_caching", "warm_up", "background_compile"):
+        for name in ("enable_prefix_caching", "warm_up", "background_compile", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"engine argument {name} must be true or false, got {getattr(self, name)!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_cache_blocks",
-                     "kv_cache_memory_bytes", "num_ssm_slots", "max_logprobs"):
+                     "kv_cache_memory_bytes", "num_ssm_slots", "max_logprobs", "tensor_parallel_size"):
             positive(name)
         sizes = [n for n in ("num_cache_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization")
                  if getattr(self, n) is not None]
@@ -114,6 +119,10 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
         self.speculative()
+
+    @property
+    def parallelism(self) -> Parallelism:
+        return Parallelism(self.tensor_parallel_size, self.enable_expert_parallel)
 
     def speculative(self) -> SpeculativeConfig | None:
         """The parsed `speculative_config` (None without speculation)."""

@@ -55,6 +55,8 @@ class LLMEngine:
             enable_compilation_cache(cache_dir)
         kernel_ops(config.kernels)  # kernels this machine cannot run: an error now, not at the first step
         declared = load_model_config(self.model_dir)
+        parallelism = config.parallelism
+        parallelism.validate(declared)
         if config.dtype == "float16" and declared.num_recurrent_layers:
             raise ValueError("engine argument dtype='float16' is not supported for models with recurrent layers "
                              "(their float32 states would not fit float16 checkpoints); use bfloat16 or float32")
@@ -77,7 +79,7 @@ class LLMEngine:
         draft = None
         if spec is not None and spec.method == "draft_model":
             draft = load_draft(spec.model, cfg, dtype=config.dtype, kernels=config.kernels,
-                               max_model_len=self.max_model_len)
+                               max_model_len=self.max_model_len, parallelism=parallelism)
         self.draft_config = draft[0] if draft else None
         if config.max_logprobs > cfg.vocab_size:
             raise ValueError(f"engine argument max_logprobs={config.max_logprobs} exceeds the vocabulary ({cfg.vocab_size})")
@@ -122,6 +124,7 @@ class LLMEngine:
             draft=draft,
             store=StepStore(cache_dir),
             kernels=config.kernels,
+            parallelism=parallelism,
         )
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,

@@ -6,13 +6,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 from jax.tree_util import PyTreeDef
 
-from jaxengine.engine.pools import allocate_pools
+from jaxengine.engine.mesh import Parallelism, Rules, axis_rules, param_shardings
+from jaxengine.engine.pools import allocate_pools, pool_shardings
 from jaxengine.engine.sampler import SampleOutput, SamplingBatch, draft_tokens, prompt_logprobs, sample_tokens
 from jaxengine.engine.step_executables import StepExecutables
 from jaxengine.engine.step_store import StepStore
@@ -24,12 +24,14 @@ from jaxengine.models.mtp import last_accepted_rows, mtp_drafts
 
 
 def _model_step(
-    graphdef: nnx.GraphDef, treedef: PyTreeDef, param_leaves: list, pools: Pools, batch: StepBatch, *, decode: bool,
-    all_logits: bool, rows: jax.Array | None = None,
+    graphdef: nnx.GraphDef, treedef: PyTreeDef, placement: Pools, param_leaves: list, pools: Pools, batch: StepBatch,
+    *, decode: bool, all_logits: bool, rows: jax.Array | None = None,
 ) -> tuple[jax.Array, Pools]:
-    """One pure forward step: merges the model inside, returns logits and the new pools."""
+    """One pure forward step: merges the model inside, returns logits and the new pools (in
+    the shardings `placement`, those they came in: donation hands their buffers back)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
-    return model(pools, batch, decode=decode, all_logits=all_logits, rows=rows)
+    logits, pools = model(pools, batch, decode=decode, all_logits=all_logits, rows=rows)
+    return logits, jax.lax.with_sharding_constraint(pools, placement)
 
 
 def _sample_step(
@@ -37,6 +39,7 @@ def _sample_step(
     treedef: PyTreeDef,
     draft_graphdef: nnx.GraphDef | None,
     draft_treedef: PyTreeDef | None,
+    placement: tuple[Pools | None, Pools],
     param_leaves: list,
     draft_leaves: list,
     pools: Pools,
@@ -50,7 +53,8 @@ def _sample_step(
 ) -> tuple[SampleOutput, Pools | None, Pools]:
     """One engine step: forward, then sample each sequence's sample rows on device (and the
     prompt log-probabilities of the tokens `sampling.next_ids` asks for); with an MTP module
-    or a draft model, `num_step_drafts` drafts per sequence for the next step."""
+    or a draft model, `num_step_drafts` drafts per sequence for the next step. The pools come
+    back in the shardings `placement` (the draft's, the target's): those they came in."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
     h, pools = model(pools, batch, decode=decode, hidden=True)  # [T, D]
     out = sample_tokens(model.head(h[sampling.sample_rows.reshape(-1)]), sampling, num_logprobs)
@@ -73,7 +77,15 @@ def _sample_step(
         out = dataclasses.replace(out, drafts=drafts)
     # The pools in the order jit flattens the (keyword) arguments: it gives each donated
     # input buffer to the first output of its shape, and a draft may have the target's shapes.
+    draft_pools, pools = jax.lax.with_sharding_constraint((draft_pools, pools), placement)
     return out, draft_pools, pools
+
+
+def _place(params: nnx.State, mesh: Mesh, rules: Rules) -> tuple[list[jax.Array], PyTreeDef]:
+    """The parameters' leaves put on the mesh, each in the sharding its logical axes give
+    (host arrays go straight to their shards), and their tree structure."""
+    leaves, treedef = jax.tree.flatten(params)
+    return [jax.device_put(x, s) for x, s in zip(leaves, param_shardings(params, mesh, rules))], treedef
 
 
 def enable_compilation_cache(directory: str | Path) -> None:
@@ -99,7 +111,7 @@ class ModelRunner:
         num_logprobs: int = 20,
         num_step_drafts: int = 0,
         draft: tuple[ModelConfig, nnx.GraphDef, nnx.State] | None = None,
-        mesh: Mesh | None = None,
+        parallelism: Parallelism | None = None,
         store: StepStore | None = None,
         kernels: str = "auto",
     ):
@@ -111,29 +123,34 @@ class ModelRunner:
         self.num_logprobs = num_logprobs
         # Drafts per sequence the MTP module or the draft model makes each step (with one).
         self.num_step_drafts = num_step_drafts
-        self.mesh = mesh or Mesh(np.array(jax.devices()[:1]), ("model",))
+        parallelism = parallelism or Parallelism()
+        self.mesh = parallelism.mesh()
+        rules = axis_rules(cfg, self.mesh, parallelism.enable_expert_parallel)
+        draft_rules = axis_rules(draft[0], self.mesh, parallelism.enable_expert_parallel) if draft else None
         dtype = jax.tree.leaves(params)[0].dtype
+        sizes = dict(num_blocks=num_blocks, page_size=page_size, num_slots=num_slots, dtype=dtype, mesh=self.mesh)
+        self._allocate = functools.partial(allocate_pools, cfg, **sizes, rules=rules)
+        self._allocate_draft = functools.partial(allocate_pools, draft[0], **sizes, rules=draft_rules) if draft else (
+            lambda: None)
+        self.pools = self._allocate()
+        self.draft_pools = self._allocate_draft()
+        placement = pool_shardings(self.pools)
         # The steps are jitted here with the model's structure bound, and take the parameters
         # as a flat list: hashing the graph definition and flattening the parameter tree on
         # every call cost milliseconds of host time per step.
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.param_leaves, treedef = jax.tree.flatten(jax.device_put(params, replicated))
-        bound = dict(graphdef=graphdef, treedef=treedef)
+        self.param_leaves, self.param_treedef = _place(params, self.mesh, rules)
+        bound = dict(graphdef=graphdef, treedef=self.param_treedef)
         self.model_step = jax.jit(
-            functools.partial(_model_step, **bound), static_argnames=("decode", "all_logits"), donate_argnames=("pools",)
+            functools.partial(_model_step, **bound, placement=placement), static_argnames=("decode", "all_logits"),
+            donate_argnames=("pools",),
         )
         # The draft model's parameters and pools (its pools: blocks and slots of the target's indices).
-        self.draft_leaves, draft_treedef = jax.tree.flatten(jax.device_put(draft[2], replicated)) if draft else ([], None)
+        self.draft_leaves, draft_treedef = _place(draft[2], self.mesh, draft_rules) if draft else ([], None)
         self.sample_step = jax.jit(
             functools.partial(_sample_step, **bound, draft_graphdef=draft[1] if draft else None,
-                              draft_treedef=draft_treedef),
+                              draft_treedef=draft_treedef, placement=(pool_shardings(self.draft_pools), placement)),
             static_argnames=("decode", "num_logprobs", "num_step_drafts"), donate_argnames=("pools", "draft_pools"),
         )
-        sizes = dict(num_blocks=num_blocks, page_size=page_size, num_slots=num_slots, dtype=dtype, mesh=self.mesh)
-        self._allocate = functools.partial(allocate_pools, cfg, **sizes)
-        self._allocate_draft = functools.partial(allocate_pools, draft[0], **sizes) if draft else lambda: None
-        self.pools = self._allocate()
-        self.draft_pools = self._allocate_draft()
         # The pools' shapes and shardings, to compile against while the pools themselves are
         # donated to running steps.
         self.pool_specs, self.draft_pool_specs = jax.tree.map(
@@ -153,9 +170,10 @@ class ModelRunner:
 
     def logits(self, batch: StepBatch, *, decode: bool = False, all_logits: bool = False) -> jax.Array:
         """Runs one step and returns float32 logits (every token's when `all_logits`)."""
-        logits, self.pools = self.model_step(
-            param_leaves=self.param_leaves, pools=self.pools, batch=batch, decode=decode, all_logits=all_logits
-        )
+        with jax.set_mesh(self.mesh):  # kernels run on each device's heads (`kernels.py`)
+            logits, self.pools = self.model_step(
+                param_leaves=self.param_leaves, pools=self.pools, batch=batch, decode=decode, all_logits=all_logits
+            )
         return logits
 
     def sample(self, batch: StepBatch, sampling: SamplingBatch, *, decode: bool) -> SampleOutput:
@@ -177,8 +195,9 @@ class ModelRunner:
         return self.steps.get(batch, sampling, decode)
 
     def _lower(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Lowered:
-        return self.sample_step.lower(**self._step_args(batch, sampling), decode=decode, num_logprobs=self.num_logprobs,
-                                      num_step_drafts=self.num_step_drafts)
+        with jax.set_mesh(self.mesh):  # kernels run on each device's heads (`kernels.py`)
+            return self.sample_step.lower(**self._step_args(batch, sampling), decode=decode,
+                                          num_logprobs=self.num_logprobs, num_step_drafts=self.num_step_drafts)
 
     def _file_key(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> str:
         static = dict(decode=decode, num_logprobs=self.num_logprobs, num_step_drafts=self.num_step_drafts,

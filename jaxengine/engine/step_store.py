@@ -61,7 +61,8 @@ def _environment() -> str:
 
 def _avals(tree) -> str:
     leaves, treedef = jax.tree.flatten(tree)
-    return repr((treedef, [(tuple(x.shape), str(x.dtype)) for x in leaves]))
+    # The sharding too: the same shapes split over other devices are another program.
+    return repr((treedef, [(tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves]))
 
 
 class StepStore:

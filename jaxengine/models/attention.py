@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxengine.models.axes import HEADS, KV_HEADS
 from jaxengine.models.batch import StepBatch, TokenLayout
 from jaxengine.models.config import AttentionConfig
 from jaxengine.models.kernels import KernelOps
@@ -23,10 +24,10 @@ class Attention(nnx.Module):
         self.cfg = cfg
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q_out = 2 * q_width if cfg.output_gate else q_width
-        self.q_proj = linear(hidden_size, q_out, bias=cfg.bias, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(hidden_size, kv_width, bias=cfg.bias, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(hidden_size, kv_width, bias=cfg.bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(q_width, out_size or hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs)
+        self.q_proj = linear(hidden_size, q_out, bias=cfg.bias, dtype=dtype, rngs=rngs, axes=(None, HEADS))
+        self.k_proj = linear(hidden_size, kv_width, bias=cfg.bias, dtype=dtype, rngs=rngs, axes=(None, KV_HEADS))
+        self.v_proj = linear(hidden_size, kv_width, bias=cfg.bias, dtype=dtype, rngs=rngs, axes=(None, KV_HEADS))
+        self.o_proj = linear(q_width, out_size or hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs, axes=(HEADS, None))
         if cfg.qk_norm:
             norm = dict(dtype=dtype, weight_offset=cfg.qk_norm_offset)
             self.q_norm = RMSNorm(cfg.head_dim, eps, **norm)

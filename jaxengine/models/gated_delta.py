@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxengine.models.axes import RECURRENT, param
 from jaxengine.models.batch import StepBatch, TokenLayout, states_at_requests
 from jaxengine.models.config import GatedDeltaConfig
 from jaxengine.models.conv_step import conv_step
@@ -41,12 +42,13 @@ class GatedDeltaMixer(nnx.Module):
     def __init__(self, hidden_size: int, cfg: GatedDeltaConfig, eps: float, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         heads = cfg.num_value_heads
-        self.in_proj = linear(hidden_size, cfg.projection_size, bias=False, dtype=dtype, rngs=rngs)
-        self.conv_weight = nnx.Param(jnp.zeros((cfg.conv_dim, cfg.conv_kernel), dtype))  # [conv_dim, K]
-        self.dt_bias = nnx.Param(jnp.zeros((heads,), dtype))
-        self.A_log = nnx.Param(jnp.zeros((heads,), dtype))
+        self.in_proj = linear(hidden_size, cfg.projection_size, bias=False, dtype=dtype, rngs=rngs,
+                              axes=(None, RECURRENT))
+        self.conv_weight = param(jnp.zeros((cfg.conv_dim, cfg.conv_kernel), dtype), (RECURRENT, None))  # [conv_dim, K]
+        self.dt_bias = param(jnp.zeros((heads,), dtype), (RECURRENT,))
+        self.A_log = param(jnp.zeros((heads,), dtype), (RECURRENT,))
         self.norm = HeadNormThenGate(cfg.value_head_dim, eps, dtype=dtype)
-        self.out_proj = linear(cfg.value_dim, hidden_size, bias=False, dtype=dtype, rngs=rngs)
+        self.out_proj = linear(cfg.value_dim, hidden_size, bias=False, dtype=dtype, rngs=rngs, axes=(RECURRENT, None))
 
     def __call__(
         self,

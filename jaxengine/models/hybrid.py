@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxengine.models.axes import VOCAB, param
 from jaxengine.models.batch import Pools, StepBatch, TokenLayout, token_layout
 from jaxengine.models.checkpoint_store import checkpoint_layout
 from jaxengine.models.config import ModelConfig
@@ -29,14 +30,14 @@ class HybridLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, kernels: str = "auto"):
         self.cfg = cfg
         self.kernels = kernels
-        self.embed = nnx.Param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype))  # [V, D]
+        self.embed = param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype), (VOCAB, None))  # [V, D]
         self.layers = nnx.List([DecoderLayer(cfg, spec, dtype=dtype, rngs=rngs) for spec in cfg.layers])
         if cfg.shared_block:
             self.shared_blocks = nnx.List([SharedBlock(cfg, dtype=dtype, rngs=rngs)
                                            for _ in range(cfg.shared_block.num_blocks)])
         self.final_norm = RMSNorm(cfg.hidden_size, **norm_settings(cfg, dtype))
         if not cfg.tie_word_embeddings:
-            self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+            self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs, axes=(None, VOCAB))
         self.mtp = Mtp(cfg, dtype=dtype, rngs=rngs) if cfg.mtp_layers else None
 
     def __call__(

@@ -4,12 +4,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxengine.models.axes import EXPERT_MLP, EXPERTS, MLP, linear_metadata, param
 from jaxengine.models.config import MlpConfig, ModelConfig, MoeConfig
 
 
-def linear(in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    """A dense layer whose kernel is `[in, out]` (Hugging Face stores `[out, in]`)."""
-    return nnx.Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+def linear(in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs,
+           axes: tuple[str | None, str | None] = (None, None)) -> nnx.Linear:
+    """A dense layer whose kernel is `[in, out]` (Hugging Face stores `[out, in]`); `axes`:
+    the logical axes of its input and output features (`axes.py`; None: replicated)."""
+    return nnx.Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                      **linear_metadata(*axes))
 
 
 def norm_settings(cfg: ModelConfig, dtype: jnp.dtype) -> dict:
@@ -43,8 +47,9 @@ class GatedRMSNorm(nnx.Module):
     then the norm; Mamba2, Bamba) or, with `norm_first`, the norm then the gate (Falcon-H1's
     `mamba_norm_before_gate`, in float32 throughout as its reference computes it)."""
 
-    def __init__(self, size: int, groups: int, eps: float, *, dtype: jnp.dtype, norm_first: bool = False):
-        self.weight = nnx.Param(jnp.ones((size,), dtype))
+    def __init__(self, size: int, groups: int, eps: float, *, dtype: jnp.dtype, norm_first: bool = False,
+                 axis: str | None = None):
+        self.weight = param(jnp.ones((size,), dtype), (axis,))
         self.groups = groups
         self.eps = eps
         self.norm_first = norm_first
@@ -106,9 +111,12 @@ class Mlp(nnx.Module):
     def __init__(self, hidden_size: int, cfg: MlpConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         if cfg.gated:
-            self.gate_proj = linear(hidden_size, cfg.intermediate_size, bias=cfg.bias, dtype=dtype, rngs=rngs)
-        self.up_proj = linear(hidden_size, cfg.intermediate_size, bias=cfg.bias, dtype=dtype, rngs=rngs)
-        self.down_proj = linear(cfg.intermediate_size, hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs)
+            self.gate_proj = linear(hidden_size, cfg.intermediate_size, bias=cfg.bias, dtype=dtype, rngs=rngs,
+                                    axes=(None, MLP))
+        self.up_proj = linear(hidden_size, cfg.intermediate_size, bias=cfg.bias, dtype=dtype, rngs=rngs,
+                              axes=(None, MLP))
+        self.down_proj = linear(cfg.intermediate_size, hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs,
+                                axes=(MLP, None))
 
     def __call__(self, x: jax.Array, gate_up_delta: jax.Array | None = None) -> jax.Array:  # [T, D] -> [T, D]
         """`gate_up_delta` [T, 2 * I], when given, is added to the gate | up projections (a
@@ -140,8 +148,8 @@ class Moe(nnx.Module):
         self.router = nnx.Param(jnp.zeros((hidden_size, e), router_dtype))  # [D, E]
         if cfg.router == "sigmoid_grouped":
             self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32))  # selection-only correction
-        self.experts_up = nnx.Param(jnp.zeros((e, hidden_size, up_width), dtype))  # gate | up when gated
-        self.experts_down = nnx.Param(jnp.zeros((e, inner, hidden_size), dtype))
+        self.experts_up = param(jnp.zeros((e, hidden_size, up_width), dtype), (EXPERTS, None, EXPERT_MLP))  # gate | up
+        self.experts_down = param(jnp.zeros((e, inner, hidden_size), dtype), (EXPERTS, EXPERT_MLP, None))
         if cfg.shared is not None:
             self.shared = Mlp(hidden_size, cfg.shared, dtype=dtype, rngs=rngs)
         if cfg.shared_gate:

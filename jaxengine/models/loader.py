@@ -494,7 +494,8 @@ def params_from_hf(model_dir: Path, cfg: ModelConfig, abstract_state: nnx.State)
     if missing:
         names = ", ".join("/".join(map(str, p)) for p in missing[:8])
         raise ValueError(f"{model_dir}: missing tensors for parameters {names}" + (" ..." if len(missing) > 8 else ""))
-    return _unflat({p: jnp.asarray(v, dtype=expected[p].dtype) for p, v in filled.items()})
+    # Host arrays: the engine puts each straight into its shards on the device mesh.
+    return _unflat({p: np.asarray(v, dtype=expected[p].dtype) for p, v in filled.items()})
 
 
 def _rule_for(name: str, cfg: ModelConfig, rules: list[Rule]) -> tuple[Rule | None, re.Match | None, list[Path_]]:

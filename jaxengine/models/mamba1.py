@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxengine.models.axes import RECURRENT, param
 from jaxengine.models.batch import StepBatch, TokenLayout, states_at_requests
 from jaxengine.models.config import Mamba1Config
 from jaxengine.models.conv_step import conv_step
@@ -34,19 +35,19 @@ class Mamba1Mixer(nnx.Module):
     def __init__(self, hidden_size: int, cfg: Mamba1Config, eps: float, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         inner, rank, n = cfg.intermediate_size, cfg.dt_rank, cfg.state_size
-        self.in_proj = linear(hidden_size, 2 * inner, bias=cfg.proj_bias, dtype=dtype, rngs=rngs)
-        self.conv_weight = nnx.Param(jnp.zeros((inner, cfg.conv_kernel), dtype))  # [d, K]
+        self.in_proj = linear(hidden_size, 2 * inner, bias=cfg.proj_bias, dtype=dtype, rngs=rngs, axes=(None, RECURRENT))
+        self.conv_weight = param(jnp.zeros((inner, cfg.conv_kernel), dtype), (RECURRENT, None))  # [d, K]
         if cfg.conv_bias:
-            self.conv_bias = nnx.Param(jnp.zeros((inner,), dtype))
-        self.x_proj = linear(inner, rank + 2 * n, bias=False, dtype=dtype, rngs=rngs)
-        self.dt_proj = linear(rank, inner, bias=True, dtype=dtype, rngs=rngs)
-        self.A_log = nnx.Param(jnp.zeros((inner, n), dtype))
-        self.D = nnx.Param(jnp.zeros((inner,), dtype))
+            self.conv_bias = param(jnp.zeros((inner,), dtype), (RECURRENT,))
+        self.x_proj = linear(inner, rank + 2 * n, bias=False, dtype=dtype, rngs=rngs, axes=(RECURRENT, None))
+        self.dt_proj = linear(rank, inner, bias=True, dtype=dtype, rngs=rngs, axes=(None, RECURRENT))
+        self.A_log = param(jnp.zeros((inner, n), dtype), (RECURRENT, None))
+        self.D = param(jnp.zeros((inner,), dtype), (RECURRENT,))
         if cfg.bcdt_norms:
             self.dt_norm = RMSNorm(rank, eps, dtype=dtype)
             self.b_norm = RMSNorm(n, eps, dtype=dtype)
             self.c_norm = RMSNorm(n, eps, dtype=dtype)
-        self.out_proj = linear(inner, hidden_size, bias=cfg.proj_bias, dtype=dtype, rngs=rngs)
+        self.out_proj = linear(inner, hidden_size, bias=cfg.proj_bias, dtype=dtype, rngs=rngs, axes=(RECURRENT, None))
 
     def __call__(
         self,

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxengine.models.axes import RECURRENT, param
 from jaxengine.models.batch import StepBatch, TokenLayout, states_at_requests
 from jaxengine.models.config import MambaConfig
 from jaxengine.models.conv_step import conv_step
@@ -32,17 +33,19 @@ class Mamba2Mixer(nnx.Module):
     def __init__(self, hidden_size: int, cfg: MambaConfig, eps: float, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         inner, heads = cfg.intermediate_size, cfg.num_heads
-        self.in_proj = linear(hidden_size, inner + cfg.conv_dim + heads, bias=cfg.proj_bias, dtype=dtype, rngs=rngs)
-        self.conv_weight = nnx.Param(jnp.zeros((cfg.conv_dim, cfg.conv_kernel), dtype))  # [conv_dim, K]
+        self.in_proj = linear(hidden_size, inner + cfg.conv_dim + heads, bias=cfg.proj_bias, dtype=dtype, rngs=rngs,
+                              axes=(None, RECURRENT))
+        self.conv_weight = param(jnp.zeros((cfg.conv_dim, cfg.conv_kernel), dtype), (RECURRENT, None))  # [conv_dim, K]
         if cfg.conv_bias:
-            self.conv_bias = nnx.Param(jnp.zeros((cfg.conv_dim,), dtype))
-        self.dt_bias = nnx.Param(jnp.zeros((heads,), dtype))
-        self.A_log = nnx.Param(jnp.zeros((heads,), dtype))
-        self.D = nnx.Param(jnp.zeros((heads,), dtype))
+            self.conv_bias = param(jnp.zeros((cfg.conv_dim,), dtype), (RECURRENT,))
+        self.dt_bias = param(jnp.zeros((heads,), dtype), (RECURRENT,))
+        self.A_log = param(jnp.zeros((heads,), dtype), (RECURRENT,))
+        self.D = param(jnp.zeros((heads,), dtype), (RECURRENT,))
         if cfg.gated_norm != "none":
             norm_eps = eps if cfg.norm_eps is None else cfg.norm_eps
-            self.norm = GatedRMSNorm(inner, cfg.n_groups, norm_eps, dtype=dtype, norm_first=cfg.gated_norm == "norm_first")
-        self.out_proj = linear(inner, hidden_size, bias=cfg.out_proj_bias, dtype=dtype, rngs=rngs)
+            self.norm = GatedRMSNorm(inner, cfg.n_groups, norm_eps, dtype=dtype, norm_first=cfg.gated_norm == "norm_first",
+                                     axis=RECURRENT)
+        self.out_proj = linear(inner, hidden_size, bias=cfg.out_proj_bias, dtype=dtype, rngs=rngs, axes=(RECURRENT, None))
 
     def __call__(
         self,

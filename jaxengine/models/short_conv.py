@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxengine.models.axes import RECURRENT, param
 from jaxengine.models.batch import StepBatch, TokenLayout
 from jaxengine.models.config import ShortConvConfig
 from jaxengine.models.conv_step import conv_step
@@ -30,11 +31,11 @@ class ShortConvMixer(nnx.Module):
         del eps  # no norm inside the mixer
         self.cfg = cfg
         width = cfg.channels
-        self.in_proj = linear(hidden_size, 3 * width, bias=cfg.bias, dtype=dtype, rngs=rngs)
-        self.conv_weight = nnx.Param(jnp.zeros((width, cfg.conv_kernel), dtype))  # [D, K]
+        self.in_proj = linear(hidden_size, 3 * width, bias=cfg.bias, dtype=dtype, rngs=rngs, axes=(None, RECURRENT))
+        self.conv_weight = param(jnp.zeros((width, cfg.conv_kernel), dtype), (RECURRENT, None))  # [D, K]
         if cfg.bias:
-            self.conv_bias = nnx.Param(jnp.zeros((width,), dtype))
-        self.out_proj = linear(width, hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs)
+            self.conv_bias = param(jnp.zeros((width,), dtype), (RECURRENT,))
+        self.out_proj = linear(width, hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs, axes=(RECURRENT, None))
 
     def __call__(
         self,

@@ -31,10 +31,13 @@ def kernel_friendly_bamba(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["pallas-interpret-tpu", "pallas-interpret-gpu"])
-def test_interpreted_kernels_match_references_end_to_end(kernel_friendly_bamba, kernels):
+@pytest.mark.parametrize("tp", [1, 2], ids=["one-device", "tp2"])
+def test_interpreted_kernels_match_references_end_to_end(kernel_friendly_bamba, kernels, tp):
+    """At TP 2 each kernel runs on its device's heads (2 KV heads, 2 Mamba heads, one group)."""
     prompts = [random_prompt(11, 1), random_prompt(3, 2)]
     want = LLM(kernel_friendly_bamba, kernels="reference", **ARGS).generate(prompts, GREEDY, use_tqdm=False)
-    got = LLM(kernel_friendly_bamba, kernels=kernels, **ARGS).generate(prompts, GREEDY, use_tqdm=False)
+    got = LLM(kernel_friendly_bamba, kernels=kernels, tensor_parallel_size=tp, **ARGS).generate(
+        prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 

@@ -24,15 +24,16 @@ def _ops_on_pool_shapes(hlo: str, pool_shapes: set[tuple[int, ...]]) -> list[str
     return ops
 
 
-def assert_no_step_copies_a_pool(engine, decode: bool) -> None:
+def assert_no_step_copies_a_pool(engine, decode: bool, num_seqs: tuple[int, ...] = (1, 4)) -> None:
     """Compiles the step of one sequence (where XLA turns the slot gather into a dynamic slice)
     and of four, and looks for copies among the instructions of the pools' shapes."""
     runner = engine.runner
     pools = jax.tree.leaves((runner.pools, runner.draft_pools))  # a draft model's too
-    pool_shapes = {tuple(p.shape) for p in pools}
+    # The compiled step works on each device's shard (all of a pool on one device).
+    pool_shapes = {tuple(p.sharding.shard_shape(p.shape)) for p in pools}
     shapes = [
         min((s for s in engine.shapes() if s.decode == decode and s.num_seqs == n), key=lambda s: s.num_tokens)
-        for n in (1, 4)
+        for n in num_seqs
     ]
     for shape in shapes:
         batch, sampling = engine.builder.empty(shape)
