@@ -79,6 +79,9 @@ class EngineConfig:
     # over this many devices (`mesh.py`); with enable_expert_parallel, a mixture's experts.
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    # Data parallelism: this many replicas of the engine, each on its own tensor_parallel_size
+    # devices with its own pools and prefix cache (`data_parallel.py`).
+    data_parallel_size: int = 1
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -92,7 +95,8 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"engine argument {name} must be true or false, got {getattr(self, name)!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_cache_blocks",
-                     "kv_cache_memory_bytes", "num_ssm_slots", "max_logprobs", "tensor_parallel_size"):
+                     "kv_cache_memory_bytes", "num_ssm_slots", "max_logprobs", "tensor_parallel_size",
+                     "data_parallel_size"):
             positive(name)
         sizes = [n for n in ("num_cache_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization")
                  if getattr(self, n) is not None]

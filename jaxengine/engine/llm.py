@@ -14,6 +14,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxengine.engine import vllm_args
+from jaxengine.engine.data_parallel import DataParallelEngine
 from jaxengine.engine.engine_config import EngineConfig, check_engine_keys
 from jaxengine.engine.interrupts import deferred_interrupts
 from jaxengine.engine.llm_engine import LLMEngine
@@ -54,7 +55,8 @@ class LLM:
     def __init__(self, model: str | Path, dtype: str = "auto", **engine_args):
         engine_args = vllm_args.translate({"dtype": dtype, **engine_args})
         check_engine_keys(sorted(engine_args))
-        self.engine = LLMEngine(model, EngineConfig(**engine_args))
+        config = EngineConfig(**engine_args)
+        self.engine = LLMEngine(model, config) if config.data_parallel_size == 1 else DataParallelEngine(model, config)
         self.tokenizer = self.engine.tokenizer
         path = self.engine.model_dir / "generation_config.json"
         generation = json.loads(path.read_text()) if path.is_file() else {}
@@ -172,7 +174,7 @@ class LLM:
         with self._lock:
             if self.engine.has_unfinished or self._inbox:
                 return False
-            self.engine.scheduler.cache.clear()
+            self.engine.reset_prefix_cache()
             return True
 
     def start_profile(self) -> None:

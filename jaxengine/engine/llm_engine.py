@@ -21,6 +21,7 @@ from jaxengine.engine.batch_builder import BatchBuilder, Shape
 from jaxengine.engine.draft_model import load_draft
 from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.engine.interrupts import deferred_interrupts
+from jaxengine.engine.mesh import Parallelism
 from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxengine.engine.pools import store_layout
 from jaxengine.engine.runner import ModelRunner, enable_compilation_cache
@@ -43,7 +44,9 @@ logger = logging.getLogger("jaxengine")
 class LLMEngine:
     """Continuous batching over one model: `add_request`, then `step` until nothing is left."""
 
-    def __init__(self, model: str | Path, config: EngineConfig):
+    def __init__(self, model: str | Path, config: EngineConfig, parallelism: Parallelism | None = None):
+        """`parallelism`: where on the devices this engine runs (default: the config's, from
+        the first device on; data-parallel replicas start further on)."""
         config.validate()
         self.model_dir = Path(model)
         if config.dtype == "auto":
@@ -55,7 +58,7 @@ class LLMEngine:
             enable_compilation_cache(cache_dir)
         kernel_ops(config.kernels)  # kernels this machine cannot run: an error now, not at the first step
         declared = load_model_config(self.model_dir)
-        parallelism = config.parallelism
+        parallelism = parallelism or config.parallelism
         parallelism.validate(declared)
         if config.dtype == "float16" and declared.num_recurrent_layers:
             raise ValueError("engine argument dtype='float16' is not supported for models with recurrent layers "
@@ -289,14 +292,16 @@ class LLMEngine:
 
     def new_request(
         self, token_ids: list[int], params: SamplingParams, index: int = 0, cache_salt: str | None = None,
-        *, sample: int = 0, prompt: str | None = None,
+        *, sample: int = 0, prompt: str | None = None, request_id: str | None = None,
     ) -> Sequence:
         """An already validated request, not queued yet (`enqueue`); safe from any thread.
         It keeps its own copy of `params`, with max_tokens resolved and, for sample j of a
-        seeded prompt, seed + j (as vLLM seeds its n samples)."""
-        with self._id_lock:
-            request_id = str(self._next_id)
-            self._next_id += 1
+        seeded prompt, seed + j (as vLLM seeds its n samples). `request_id`: one given by a
+        data-parallel front (ids unique across its replicas); else the next of this engine's."""
+        if request_id is None:
+            with self._id_lock:
+                request_id = str(self._next_id)
+                self._next_id += 1
         max_tokens = self.max_output_tokens(len(token_ids), params)
         params = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens),
                                      seed=None if params.seed is None else params.seed + sample)
@@ -326,6 +331,10 @@ class LLMEngine:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached page and checkpoint (with no request in flight)."""
+        self.scheduler.cache.clear()
 
     # ------------------------------------------------------------------ stepping
 

@@ -30,14 +30,15 @@ class Parallelism:
 
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    first_device: int = 0  # where in `jax.devices()` this engine's devices start (data-parallel replicas)
 
     def validate(self, cfg: ModelConfig, what: str = "the model") -> None:
         """Raises ValueError naming the engine argument and the model field that disagree,
         before anything is loaded."""
         tp = self.tensor_parallel_size
         available = len(jax.devices())
-        if tp > available:
-            raise ValueError(f"engine argument tensor_parallel_size={tp} exceeds the {available} "
+        if self.first_device + tp > available:
+            raise ValueError(f"engine argument tensor_parallel_size={tp} exceeds the {available - self.first_device} "
                              f"{jax.default_backend()} devices present")
         if self.enable_expert_parallel and cfg.moe is None:
             raise ValueError(f"engine argument enable_expert_parallel=True: {what} has no mixture-of-experts layers")
@@ -50,8 +51,9 @@ class Parallelism:
                              f"num_key_value_heads={a.num_kv_heads} (nor is it a multiple of it)")
 
     def mesh(self) -> Mesh:
-        """The first `tensor_parallel_size` devices as a 1 x tp ("data", "model") mesh."""
-        devices = np.array(jax.devices()[: self.tensor_parallel_size]).reshape(1, self.tensor_parallel_size)
+        """`tensor_parallel_size` devices from `first_device` on as a 1 x tp ("data", "model") mesh."""
+        tp = self.tensor_parallel_size
+        devices = np.array(jax.devices()[self.first_device : self.first_device + tp]).reshape(1, tp)
         return Mesh(devices, (DATA, MODEL))
 
 

@@ -25,7 +25,6 @@ NO_EFFECT = {
 # Accepted at the value that matches what jaxengine does; any other value is an error.
 ONLY = {
     "pipeline_parallel_size": (1, "an engine splits the model over devices by tensor parallelism only"),
-    "data_parallel_size": (1, "data parallelism is not built yet: run one engine per replica"),
     "kv_cache_dtype": ("auto", "the KV cache has the model's dtype"),
     "quantization": (None, "quantized checkpoints are not supported"),
     "revision": (None, "models come from local directories"),

@@ -38,15 +38,19 @@ kernel = jax.jit(functools.partial(kernel_tpu.ragged_gated_delta, chunk_size=CHU
 gpu_kernel = jax.jit(functools.partial(kernel_gpu.ragged_gated_delta, chunk_size=CHUNK, scale=SCALE, interpret=True))
 reference = jax.jit(functools.partial(ragged_gated_delta, chunk_size=CHUNK, scale=SCALE))
 
-
-@settings(max_examples=8, deadline=None)
-@given(
+# Ragged batches: segments of length 0, 1 and at chunk edges, starts inside chunks, float32
+# and bfloat16 inputs.
+RAGGED_BATCHES = dict(
     lengths=st.lists(st.sampled_from([0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3]), min_size=NUM_SEQS,
                      max_size=NUM_SEQS),
     starts=st.lists(st.sampled_from([0, 1, CHUNK - 1, CHUNK + 2]), min_size=NUM_SEQS, max_size=NUM_SEQS),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
     seed=st.integers(0, 2**31 - 1),
 )
+
+
+@settings(max_examples=8, deadline=None)
+@given(**RAGGED_BATCHES)
 def test_tpu_kernel_matches_reference(lengths, starts, dtype, seed):
     # Two key heads, each read by four value heads: one head block of 8 (the TPU block size).
     inputs = make_inputs(np.random.default_rng(seed), lengths, starts, 2, 4, NUM_TOKENS - sum(lengths), dtype)
@@ -98,13 +102,7 @@ def gpu_inputs(rng, lengths, starts, key_heads: int, ratio: int, num_pad: int, d
 
 
 @settings(max_examples=5, deadline=None)
-@given(
-    lengths=st.lists(st.sampled_from([0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3]), min_size=NUM_SEQS,
-                     max_size=NUM_SEQS),
-    starts=st.lists(st.sampled_from([0, 1, CHUNK - 1, CHUNK + 2]), min_size=NUM_SEQS, max_size=NUM_SEQS),
-    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
-    seed=st.integers(0, 2**31 - 1),
-)
+@given(**RAGGED_BATCHES)
 def test_gpu_kernel_matches_reference(lengths, starts, dtype, seed):
     # Two key heads, each read by two value heads: four (sequence, head) blocks per sequence.
     inputs = gpu_inputs(np.random.default_rng(seed), lengths, starts, 2, 2, NUM_TOKENS - sum(lengths), dtype)
