@@ -79,7 +79,7 @@ def test_the_default_config_is_valid(monkeypatch):
         ({"engine": {"max_num_seqs": "8"}}, r"engine.max_num_seqs: expected .*int.*got '8'"),
         ({"engine": {"max_num_seq": 8}}, r"engine: unknown key 'max_num_seq'"),
         ({"engine": {"tensor_parallel_size": 0}}, r"engine argument tensor_parallel_size must be a positive integer"),
-        ({"engine": {"data_parallel_size": 2}}, r"engine: engine argument data_parallel_size must be 1"),
+        ({"engine": {"data_parallel_size": 0}}, r"engine argument data_parallel_size must be a positive integer"),
         ({"engine": {"ssm_retention": "dense"}}, r"engine: key 'ssm_retention' was replaced by prefix_cache_retention_interval"),
         ({"engine": {"prefix_cache_retention_interval": 6}}, r"prefix_cache_retention_interval must be None"),
         ({"sampling": {"top_p": 1.5}}, r"SamplingParams.top_p must be a finite number in \(0, 1\]"),

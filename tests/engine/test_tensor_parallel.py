@@ -149,7 +149,6 @@ def test_no_tensor_parallel_step_copies_a_pool(models, decode):
         (dict(tensor_parallel_size=16), "tensor_parallel_size=16 exceeds the 8 cpu devices"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
         (dict(enable_expert_parallel=True), "enable_expert_parallel=True: the model has no mixture-of-experts"),
-        (dict(data_parallel_size=2), "data_parallel_size"),
     ],
 )
 def test_bad_parallel_arguments_are_refused_before_loading(models, monkeypatch, kwargs, message):

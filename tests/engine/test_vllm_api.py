@@ -120,7 +120,7 @@ def test_vllm_engine_arguments_are_taken_or_refused_by_name(tmp_path, caplog, mo
     assert "trust_remote_code=True has no effect" in caplog.text
     assert "gpu_memory_utilization has no effect on cpu" in caplog.text
     for bad, match in [
-        (dict(data_parallel_size=2), "data_parallel_size must be 1"),
+        (dict(pipeline_parallel_size=2), "pipeline_parallel_size must be 1"),
         (dict(tensor_parallel_size=64), "tensor_parallel_size=64 exceeds the 8 cpu devices"),
         (dict(quantization="awq"), "quantization must be None"),
         (dict(dtype="float64"), "dtype must be one of auto, float32"),
