@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from jaxengine.run_config import DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,6 +80,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.slow  # the longest test of the suite; tests/engine/test_vllm_api.py checks the pieces fast
 def test_a_vllm_offline_script_runs_with_only_its_import_changed(tmp_path):
     script = tmp_path / "offline.py"
     source = VLLM_SCRIPT.format(model=str(DEFAULT_MODEL), profile=str(tmp_path / "profile"))
