@@ -69,10 +69,17 @@ def write_together(contents: dict[Path, str]) -> None:
 
 
 def run_batch(cfg: RunConfig) -> dict:
-    """Runs every request of the config's input, writes outputs and metrics; returns the metrics."""
+    """Runs every request of the config's input, writes outputs and metrics; returns the metrics.
+    On a process other than 0 of several: runs process 0's steps, writes nothing, and returns
+    {"steps_followed": how many}."""
+    engine_args = {k: v for k, v in vars(cfg.engine).items() if k not in ("dtype", "warm_up")}
+    if cfg.engine.node_rank > 0:
+        llm = LLM(cfg.model, cfg.engine.dtype, warm_up=False, **engine_args)
+        if cfg.engine.warm_up:
+            llm.warm_up(progress=cfg.progress)
+        return {"steps_followed": llm.follow()}
     check_writable(cfg.output, cfg.metrics)
     requests = load_requests(cfg)
-    engine_args = {k: v for k, v in vars(cfg.engine).items() if k not in ("dtype", "warm_up")}
     start = time.perf_counter()
     llm = LLM(cfg.model, cfg.engine.dtype, warm_up=False, **engine_args)
     try:  # every request is checked (and tokenized, once) before anything compiles

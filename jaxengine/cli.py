@@ -9,6 +9,9 @@ from pathlib import Path
 
 from jaxengine.run_config import DEFAULT_MODEL
 
+# `jaxengine run` flags that set the engine keys of the same names (one host's settings).
+HOST_ARGS = ("distributed_init_addr", "num_nodes", "node_rank")
+
 # Files copied beside the converted parameters so the output directory is a complete model.
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -17,8 +20,12 @@ def _run(args: argparse.Namespace) -> None:
     from jaxengine.batch_run import run_batch
     from jaxengine.run_config import load_run_config
 
-    cfg = load_run_config(args.config)
+    hosts = {key: getattr(args, key) for key in HOST_ARGS if getattr(args, key) is not None}
+    cfg = load_run_config(args.config, hosts)
     metrics = run_batch(cfg)
+    if cfg.engine.node_rank > 0:
+        print(f"node {cfg.engine.node_rank}: ran process 0's {metrics['steps_followed']} steps")
+        return
     print(
         f"{metrics['requests']} requests, {metrics['output_tokens']} output tokens in {metrics['wall_time_s']:.1f}s "
         f"({metrics['output_tokens_per_s']:.1f} tok/s); outputs: {cfg.output}; metrics: {cfg.metrics}"
@@ -55,6 +62,7 @@ def _show_engine_log() -> None:
     """Start-up facts (such as the prefix cache's retention) as `jaxengine: ...` lines on stderr."""
     logger = logging.getLogger("jaxengine")
     if not logger.handlers:
+        logger.propagate = False  # not twice where something configured the root logger (jax.distributed)
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("jaxengine: %(message)s"))
         logger.addHandler(handler)
@@ -68,6 +76,11 @@ def main(argv: list[str] | None = None) -> None:
 
     run = sub.add_parser("run", help="run a batch job described by a YAML config")
     run.add_argument("config", help="YAML config (see configs/default.yaml)")
+    run.add_argument("--distributed-init-addr", dest="distributed_init_addr",
+                     help="many hosts: process 0's host:port (over the config's engine key)")
+    run.add_argument("--num-nodes", dest="num_nodes", type=int, help="many hosts: how many processes")
+    run.add_argument("--node-rank", dest="node_rank", type=int, help="many hosts: this process's rank (0 takes "
+                     "the requests and writes the outputs)")
     run.set_defaults(func=_run)
 
     gen = sub.add_parser("generate", help="generate completions for prompts")

@@ -96,8 +96,10 @@ def _typed(cls: type, values: Any, where: str) -> Any:
         raise ConfigError(f"{where}: {err}") from err
 
 
-def load_run_config(path: str | Path) -> RunConfig:
-    """Reads and validates a run config; every problem is a ConfigError naming the key."""
+def load_run_config(path: str | Path, engine_overrides: dict | None = None) -> RunConfig:
+    """Reads and validates a run config; every problem is a ConfigError naming the key.
+    `engine_overrides`: engine keys given on the command line (a host's node_rank), over the
+    file's. A process other than 0 of several reads no input (process 0 takes the requests)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
@@ -120,9 +122,9 @@ def load_run_config(path: str | Path) -> RunConfig:
     if not (model / "config.json").is_file():
         raise ConfigError(f"{path}: model: {model} is not a model directory (no config.json)")
     input_path = Path(raw["input"])
-    if not input_path.is_file():
-        raise ConfigError(f"{path}: input: file {input_path} does not exist")
     engine_raw = raw.get("engine")
+    if engine_overrides:
+        engine_raw = {**(engine_raw if isinstance(engine_raw, dict) else {}), **engine_overrides}
     try:
         if isinstance(engine_raw, dict):  # vLLM's names too
             engine_raw = vllm_args.translate(engine_raw)
@@ -134,6 +136,8 @@ def load_run_config(path: str | Path) -> RunConfig:
         engine.validate()
     except ValueError as err:
         raise ConfigError(f"{path}: {err}") from err
+    if engine.node_rank == 0 and not input_path.is_file():
+        raise ConfigError(f"{path}: input: file {input_path} does not exist")
     sampling = _typed(SamplingParams, raw.get("sampling"), f"{path}: sampling")
     try:
         sampling.validate(f"{path}: sampling", max_logprobs=engine.max_logprobs)

@@ -2,6 +2,8 @@
 
     python scripts/bench_parallel.py [--model-config configs/models/nemotron-h-7b-shape] \
         [--dtype bfloat16] [--tp 1 2 4 8] [--context-tokens 131072] [--sequences 64] [--json OUT.json]
+    python scripts/bench_parallel.py --fit [--fit-models configs/models/X-shape ...] [--dtype bfloat16] \
+        [--context-tokens 131072] [--sequences 64] [--json OUT.json]
 
 No weights and no accelerator: the model's abstract parameters (shapes only) on eight fake
 CPU devices, each placed by the engine's own rules (`jaxengine/engine/mesh.py`). For each
@@ -10,9 +12,15 @@ tensor-parallel size it prints device 0's share of the weights, of the KV cache 
 all-reduce payload per token: every projection whose input dimension is split (attention's
 o_proj, the MLPs' down_proj, the recurrent mixers' out_proj, ...) ends in an all-reduce of one
 hidden-size vector per token; the vocabulary-split embedding adds one more.
+
+`--fit` prints instead, for each model directory (default: every `configs/models/*-shape`), its
+parameter count and device 0's weights and KV cache + live states at tensor parallel size 8, and
+whether they fit one device of each 8-chip machine in `HBM_BYTES` with `HEADROOM` (10%) of its
+memory left free for activations, compiled programs and fragmentation.
 """
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -29,6 +37,9 @@ from jaxengine.models.loader import abstract_model  # noqa: E402
 from jaxengine.models.mixers import recurrent_states  # noqa: E402
 
 GIB = 2**30
+FIT_TP = 8
+HBM_BYTES = {"v5e-8": 16 * GIB, "v6e-8": 32 * GIB, "8x H200": 141e9}  # one device's memory
+HEADROOM = 0.10  # of a device's memory kept free
 
 
 def _shard_bytes(sharding, shape: tuple[int, ...], dtype) -> int:
@@ -45,6 +56,7 @@ def measure(model_dir: str, dtype: str, tp: int, context_tokens: int, sequences:
     leaves = jax.tree.leaves(state)
     shardings = param_shardings(state, mesh, rules)
     weights = sum(_shard_bytes(s, x.shape, x.dtype) for x, s in zip(leaves, shardings))
+    params = sum(math.prod(x.shape) for x in leaves)
     total = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
     # Row-parallel projections: a 2-D kernel (or an expert stack's down projection) split on its input.
     row_parallel = sum(1 for x, s in zip(leaves, shardings)
@@ -57,9 +69,38 @@ def measure(model_dir: str, dtype: str, tp: int, context_tokens: int, sequences:
     states = sum(_shard_bytes(state_sharding(mesh, rules, arr, sequences), (sequences, *arr.shape), arr.dtype(dtype))
                  for arrays in recurrent_states(cfg) for arr in arrays)
     itemsize = jnp.dtype(dtype).itemsize
-    return dict(tp=tp, weights_gib=weights / GIB, weights_total_gib=total / GIB, kv_cache_gib=kv / GIB,
+    return dict(tp=tp, params=params, weights_gib=weights / GIB, weights_total_gib=total / GIB, kv_cache_gib=kv / GIB,
                 states_gib=states / GIB, row_parallel_projections=row_parallel,
                 allreduce_bytes_per_token=(row_parallel + 1) * cfg.hidden_size * itemsize if tp > 1 else 0)
+
+
+def fit(model_dir: str, dtype: str, context_tokens: int, sequences: int) -> dict:
+    """Device 0's share at tensor parallel size `FIT_TP`, and whether it fits each of `HBM_BYTES`."""
+    r = measure(model_dir, dtype, FIT_TP, context_tokens, sequences)
+    cache_gib = r["kv_cache_gib"] + r["states_gib"]
+    need_bytes = (r["weights_gib"] + cache_gib) * GIB
+    return dict(model=os.path.basename(os.path.normpath(model_dir)), params_b=r["params"] / 1e9,
+                weights_gib=r["weights_gib"], cache_gib=cache_gib,
+                fits={hbm: need_bytes <= (1 - HEADROOM) * hbm_bytes for hbm, hbm_bytes in HBM_BYTES.items()})
+
+
+def print_fit_table(rows: list[dict], dtype: str, context_tokens: int, sequences: int) -> None:
+    print(f"TP {FIT_TP}, {dtype}; device 0's share; KV for {context_tokens} tokens, states of {sequences} sequences; "
+          f"fits: weights + cache <= {1 - HEADROOM:.0%} of one device's memory")
+    print("| model | params (B) | weights GiB | KV + states GiB | " + " | ".join(HBM_BYTES) + " |")
+    print("| --- | ---: | ---: | ---: |" + " :---: |" * len(HBM_BYTES))
+    for r in rows:
+        fits = " | ".join("yes" if r["fits"][hbm] else "no" for hbm in HBM_BYTES)
+        print(f"| {r['model']} | {r['params_b']:.1f} | {r['weights_gib']:.2f} | {r['cache_gib']:.2f} | {fits} |")
+
+
+def print_tp_table(rows: list[dict], model_dir: str, dtype: str, context_tokens: int, sequences: int) -> None:
+    print(f"{model_dir}, {dtype}; device 0's share; KV for {context_tokens} tokens, states of {sequences} sequences")
+    print("| TP | weights GiB | KV cache GiB | live states GiB | all-reduce bytes / token |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['tp']} | {r['weights_gib']:.2f} | {r['kv_cache_gib']:.2f} | {r['states_gib']:.3f} | "
+              f"{r['allreduce_bytes_per_token']:,} |")
 
 
 def main() -> None:
@@ -70,15 +111,15 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, default=131072)
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--json")
+    parser.add_argument("--fit", action="store_true", help="print the fit table of --fit-models instead")
+    parser.add_argument("--fit-models", nargs="+", default=sorted(glob.glob("configs/models/*-shape")))
     args = parser.parse_args()
-    rows = [measure(args.model_config, args.dtype, tp, args.context_tokens, args.sequences) for tp in args.tp]
-    print(f"{args.model_config}, {args.dtype}; device 0's share; KV for {args.context_tokens} tokens, states of "
-          f"{args.sequences} sequences")
-    print("| TP | weights GiB | KV cache GiB | live states GiB | all-reduce bytes / token |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['tp']} | {r['weights_gib']:.2f} | {r['kv_cache_gib']:.2f} | {r['states_gib']:.3f} | "
-              f"{r['allreduce_bytes_per_token']:,} |")
+    if args.fit:
+        rows = [fit(d, args.dtype, args.context_tokens, args.sequences) for d in args.fit_models]
+        print_fit_table(rows, args.dtype, args.context_tokens, args.sequences)
+    else:
+        rows = [measure(args.model_config, args.dtype, tp, args.context_tokens, args.sequences) for tp in args.tp]
+        print_tp_table(rows, args.model_config, args.dtype, args.context_tokens, args.sequences)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

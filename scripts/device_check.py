@@ -41,6 +41,10 @@ What it measures:
      shapes, so the timed runs compile nothing (checked), and every run gets fresh
      prompts (no prefix-cache hits). Decode steps use the kernels for attention only
      (the one-token SSD update is always the reference); prefill uses both kernels.
+     With more than one device, the same decode and prefill runs on as many devices as
+     the model's heads split over (tensor parallelism): the share of first greedy tokens
+     that differ from one device's (at most 25%, as below) and both decode rates;
+     "skipped (one device)" otherwise.
   4. Verify steps (speculative decoding): the same model with kernels="auto" and
      `speculative_config` ngram k = 3 drafting at every step, decoding the 64 x 32-token
      batch on prompts that repeat an 8-token pattern, with drafts (verify steps) and
@@ -820,7 +824,7 @@ def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[
     return np.random.default_rng(seed).integers(1, vocab, (count, length)).tolist()
 
 
-def run_engine(model_dir: Path, kernels: str, spec: EngineSpec) -> EngineRun:
+def run_engine(model_dir: Path, kernels: str, spec: EngineSpec, tensor_parallel_size: int = 1) -> EngineRun:
     """Loads the model, runs decode and prefill once untimed (compiling their shapes), then
     `spec.repeats` timed runs of each, every run with fresh prompts (no prefix-cache hits)."""
     from jaxengine import LLM, SamplingParams  # after JAX's GPU start-up (see build_random_bamba)
@@ -838,6 +842,7 @@ def run_engine(model_dir: Path, kernels: str, spec: EngineSpec) -> EngineRun:
         max_num_batched_tokens=spec.step_tokens,
         warm_up=False,
         compilation_cache_dir=None,
+        tensor_parallel_size=tensor_parallel_size,
     )
     load_s = time.perf_counter() - start
 
@@ -989,6 +994,32 @@ def first_token_row(auto: EngineRun, reference: EngineRun) -> Row:
     )
 
 
+def tensor_parallel_row(model_dir: Path, kernels: str, spec: EngineSpec, one: EngineRun | str) -> Row:
+    """With several devices: the engine over as many as the model's heads split evenly over,
+    its first greedy tokens against one device's (`one`) and both decode rates."""
+    from jaxengine.engine.mesh import Parallelism  # after JAX's GPU start-up (see build_random_bamba)
+    from jaxengine.models.config import load_model_config
+
+    cfg = load_model_config(model_dir)
+    sizes = [tp for tp in range(jax.device_count(), 1, -1) if _splits(Parallelism(tp), cfg)]
+    if not sizes or isinstance(one, str):
+        return Row("engine", "engine tensor parallel", "skipped (one device)" if not sizes else one)
+    run = run_engine(model_dir, kernels, spec, tensor_parallel_size=sizes[0])
+    same = first_token_row(run, one)  # tp devices against one
+    return dataclasses.replace(same, name="engine tensor parallel", kernel=run.decode_tokens_per_s,
+                               reference=one.decode_tokens_per_s, unit="tok/s",
+                               note=f"tp{sizes[0]} vs one device: {same.note}; decode tok/s",
+                               details={**same.details, "tensor_parallel_size": sizes[0]})
+
+
+def _splits(parallelism: Any, cfg: Any) -> bool:
+    try:
+        parallelism.validate(cfg)
+        return True
+    except ValueError:
+        return False
+
+
 def engine_report(
     spec: EngineSpec, sizes: ModelSizes, runs: dict[str, EngineRun | str], roofline: Roofline | None
 ) -> list[Row]:
@@ -1033,7 +1064,8 @@ def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, inter
     methods = ("ngram", "draft_model")
     if not deadline.allows(plan.engine_build_s + plan.engine_mode_s):
         skipped = engine_report(spec, ModelSizes(0, 0, 0, 0), {"auto": SKIPPED, "reference": SKIPPED}, roofline)
-        return [*skipped, *(Row("engine", verify_name(m, spec), SKIPPED) for m in methods)]
+        return [*skipped, Row("engine", "engine tensor parallel", SKIPPED),
+                *(Row("engine", verify_name(m, spec), SKIPPED) for m in methods)]
     modes = {"auto": "pallas-interpret-gpu" if interpret else "auto", "reference": "reference"}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
@@ -1053,6 +1085,12 @@ def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, inter
             status = runs[label] if isinstance(runs[label], str) else "done"
             log(deadline, f"engine kernels={kernels}: {status}")
         rows = engine_report(spec, sizes, runs, roofline)
+        if deadline.allows(plan.engine_mode_s):
+            rows += guarded("engine", "engine tensor parallel", tensor_parallel_row, model_dir, modes["auto"], spec,
+                            runs["auto"])
+            gc.collect()
+        else:
+            rows.append(Row("engine", "engine tensor parallel", SKIPPED))
         for method in methods:
             if deadline.allows(plan.engine_mode_s):
                 rows += guarded("engine", verify_name(method, spec), verify_row, model_dir, modes["auto"], spec, method)

@@ -80,6 +80,13 @@ def test_the_default_config_is_valid(monkeypatch):
         ({"engine": {"max_num_seq": 8}}, r"engine: unknown key 'max_num_seq'"),
         ({"engine": {"tensor_parallel_size": 0}}, r"engine argument tensor_parallel_size must be a positive integer"),
         ({"engine": {"data_parallel_size": 0}}, r"engine argument data_parallel_size must be a positive integer"),
+        ({"engine": {"num_nodes": 2}}, r"distributed_init_addr must be process 0's \"host:port\" when num_nodes=2"),
+        ({"engine": {"num_nodes": 2, "distributed_init_addr": "h:99999"}}, r"distributed_init_addr must be"),
+        ({"engine": {"num_nodes": 2, "distributed_init_addr": "h:1", "node_rank": 2}},
+         r"engine argument node_rank must be an integer in \[0, num_nodes=2\), got 2"),
+        ({"engine": {"distributed_init_addr": "h:1"}}, r"distributed_init_addr='h:1' needs num_nodes > 1"),
+        ({"engine": {"num_nodes": 2, "distributed_init_addr": "h:1", "data_parallel_size": 2}},
+         r"data_parallel_size=2 is not supported with num_nodes=2"),
         ({"engine": {"ssm_retention": "dense"}}, r"engine: key 'ssm_retention' was replaced by prefix_cache_retention_interval"),
         ({"engine": {"prefix_cache_retention_interval": 6}}, r"prefix_cache_retention_interval must be None"),
         ({"sampling": {"top_p": 1.5}}, r"SamplingParams.top_p must be a finite number in \(0, 1\]"),
@@ -109,6 +116,14 @@ def test_bad_input_lines_name_the_line_and_key(tmp_path, line, match):
     cfg = load_run_config(_write(tmp_path, {}, [line]))
     with pytest.raises(ConfigError, match=match):
         load_requests(cfg)
+
+
+def test_host_flags_set_the_engine_keys_and_other_hosts_read_no_input(tmp_path):
+    hosts = {"distributed_init_addr": "10.0.0.1:8476", "num_nodes": 2, "node_rank": 1}
+    cfg = load_run_config(_write(tmp_path, {"input": "/only/on/host0.jsonl"}), hosts)
+    assert (cfg.engine.distributed_init_addr, cfg.engine.num_nodes, cfg.engine.node_rank) == ("10.0.0.1:8476", 2, 1)
+    with pytest.raises(ConfigError, match="input: file /only/on/host0.jsonl does not exist"):
+        load_run_config(_write(tmp_path, {"input": "/only/on/host0.jsonl"}), {**hosts, "node_rank": 0})
 
 
 def test_cli_reports_config_errors_in_one_line(tmp_path):

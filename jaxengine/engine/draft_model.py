@@ -41,4 +41,4 @@ def load_draft(
         raise ValueError(f"{WHERE}={model_dir!r}: max_model_len={max_model_len} exceeds the draft's "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
     parallelism.validate(cfg, f"the draft model {WHERE}={model_dir!r}")
-    return load_model(path, dtype, kernels)
+    return load_model(path, dtype, kernels, place=parallelism.placement(cfg))

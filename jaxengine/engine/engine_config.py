@@ -82,6 +82,14 @@ class EngineConfig:
     # Data parallelism: this many replicas of the engine, each on its own tensor_parallel_size
     # devices with its own pools and prefix cache (`data_parallel.py`).
     data_parallel_size: int = 1
+    # Many hosts (`multihost.py`): every process runs the same steps on its own devices of one
+    # mesh; process 0 takes the requests. `distributed_init_addr` is process 0's "host:port",
+    # `num_nodes` the number of processes, `node_rank` this one's; each process waits at most
+    # `distributed_timeout_s` seconds for the others to join, or for one that stopped answering.
+    distributed_init_addr: str | None = None
+    num_nodes: int = 1
+    node_rank: int = 0
+    distributed_timeout_s: int = 300
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -96,8 +104,9 @@ class EngineConfig:
                 raise ValueError(f"engine argument {name} must be true or false, got {getattr(self, name)!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_cache_blocks",
                      "kv_cache_memory_bytes", "num_ssm_slots", "max_logprobs", "tensor_parallel_size",
-                     "data_parallel_size"):
+                     "data_parallel_size", "num_nodes", "distributed_timeout_s"):
             positive(name)
+        self._validate_hosts()
         sizes = [n for n in ("num_cache_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization")
                  if getattr(self, n) is not None]
         if len(sizes) > 1:
@@ -123,6 +132,22 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
         self.speculative()
+
+    def _validate_hosts(self) -> None:
+        rank, nodes, addr = self.node_rank, self.num_nodes, self.distributed_init_addr
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < nodes:
+            raise ValueError(f"engine argument node_rank must be an integer in [0, num_nodes={nodes}), got {rank!r}")
+        if nodes == 1:
+            if addr is not None:
+                raise ValueError(f"engine argument distributed_init_addr={addr!r} needs num_nodes > 1")
+            return
+        host, _, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"engine argument distributed_init_addr must be process 0's \"host:port\" when "
+                             f"num_nodes={nodes}, got {addr!r}")
+        if self.data_parallel_size != 1:
+            raise ValueError(f"engine argument data_parallel_size={self.data_parallel_size} is not supported with "
+                             f"num_nodes={nodes} (one tensor-parallel engine spans the hosts)")
 
     @property
     def parallelism(self) -> Parallelism:

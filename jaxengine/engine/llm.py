@@ -1,6 +1,7 @@
 """The public entry point: `LLM(model=...)` with `generate`, `chat`, `generate_stream` and
 `prompt_logits` (vLLM's offline API, plus jaxengine's streaming and logits)."""
 
+import atexit
 import collections
 import json
 import os
@@ -67,6 +68,11 @@ class LLM:
         self._stepping = False  # a step is running (under the lock)
         self._dropped: collections.deque[list[EngineSequence]] = collections.deque()  # by dropped streams
         self._inbox: collections.deque[EngineSequence] = collections.deque()  # submitted, not queued yet
+        # Several processes (num_nodes, `multihost.py`): process 0 takes the requests and, when
+        # it exits, releases the others, which run its steps meanwhile (`follow`).
+        self.following = jax.process_index() > 0
+        if jax.process_count() > 1 and not self.following:
+            atexit.register(self.engine.stop_followers)
         if self.engine.config.warm_up:
             self.warm_up()
 
@@ -75,6 +81,14 @@ class LLM:
         shapes = self.engine.shapes()
         with self._lock, tqdm(total=len(shapes), desc="compiling step shapes", leave=False, disable=not progress) as bar:
             self.engine.warm_up(bar.update)
+
+    def follow(self) -> int:
+        """On a process other than 0 of a multi-host engine: runs process 0's steps until
+        process 0's LLM is done (it exits); returns how many ran (0 once done). `generate`,
+        `chat`, `generate_stream` and `prompt_logits` do this there and return no outputs,
+        so one script serves on every host."""
+        with self._lock:
+            return self.engine.follow()
 
     def get_tokenizer(self):
         """The model's Hugging Face tokenizer (None for a model directory without one)."""
@@ -88,7 +102,11 @@ class LLM:
 
     def _submit(self, prompts, sampling_params, texts: list[str] | None = None) -> list[list[EngineSequence]]:
         """Validates every request first, so a bad one rejects the call before any work.
-        Returns each prompt's samples; `texts` are the prompts' text where they came as ids."""
+        Returns each prompt's samples; `texts` are the prompts' text where they came as ids.
+        On a process other than 0 of several: none, after running process 0's steps."""
+        if self.following:
+            self.follow()
+            return []
         if isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]  # one prompt
         if sampling_params is None:
@@ -268,7 +286,11 @@ class LLM:
         """Logits after every prompt token, `[len, vocab]` float32, via the paged prefill path.
 
         `chunk_sizes` splits the prefill into steps of those sizes (they must sum to the
-        prompt length); by default steps of at most `max_num_batched_tokens`."""
+        prompt length); by default steps of at most `max_num_batched_tokens`. On a process
+        other than 0 of several: `[0, vocab]`, after running process 0's steps."""
+        if self.following:
+            self.follow()
+            return np.zeros((0, self.engine.model_config.vocab_size), np.float32)
         ids = self.engine.validate_request(list(token_ids), SamplingParams(max_tokens=1), "prompt")
         if chunk_sizes is None:
             step = self.engine.config.max_num_batched_tokens

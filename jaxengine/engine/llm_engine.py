@@ -17,6 +17,7 @@ from jaxengine.cache.block_pool import BlockPool
 from jaxengine.cache.hit_value import ModelCosts
 from jaxengine.cache.live_slots import LiveSlots
 from jaxengine.cache.prefix_cache import PrefixCache
+from jaxengine.engine import multihost
 from jaxengine.engine.batch_builder import BatchBuilder, Shape
 from jaxengine.engine.draft_model import load_draft
 from jaxengine.engine.engine_config import EngineConfig
@@ -48,6 +49,8 @@ class LLMEngine:
         """`parallelism`: where on the devices this engine runs (default: the config's, from
         the first device on; data-parallel replicas start further on)."""
         config.validate()
+        if config.num_nodes > 1:  # before anything touches a device
+            multihost.join(config.distributed_init_addr, config.num_nodes, config.node_rank, config.distributed_timeout_s)
         self.model_dir = Path(model)
         if config.dtype == "auto":
             config = dataclasses.replace(config, dtype=checkpoint_dtype(self.model_dir))
@@ -69,8 +72,9 @@ class LLMEngine:
         self.drafts_in_step = spec is not None and spec.method in DRAFTS_IN_STEP
         if uses_mtp and not declared.mtp_layers:
             raise ValueError(f"engine argument speculative_config.method='mtp': {self.model_dir / 'config.json'} "
-                             f"declares no MTP module (mtp_num_hidden_layers)")
-        self.model_config, graphdef, params = load_model(self.model_dir, config.dtype, config.kernels, mtp=uses_mtp)
+                             f"declares no MTP module (mtp_num_hidden_layers; Nemotron-H: num_nextn_predict_layers)")
+        self.model_config, graphdef, params = load_model(self.model_dir, config.dtype, config.kernels, mtp=uses_mtp,
+                                                         place=parallelism.placement(declared))
         self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_dir)
         cfg = self.model_config
         self.max_model_len = config.resolved_max_model_len(cfg)
@@ -125,7 +129,8 @@ class LLMEngine:
             num_logprobs=config.max_logprobs,
             num_step_drafts=k if self.drafts_in_step else 0,
             draft=draft,
-            store=StepStore(cache_dir),
+            # Several processes: steps compiled each (a stored one holds its process's devices).
+            store=StepStore(cache_dir if jax.process_count() == 1 else None),
             kernels=config.kernels,
             parallelism=parallelism,
         )
@@ -181,6 +186,7 @@ class LLMEngine:
         slot_bytes = sum(state_bytes(arrays, dtype) for m in models for arrays in recurrent_states(m))
         budget = int(self.config.gpu_memory_utilization * stats["bytes_limit"]) - stats.get("bytes_in_use", 0)
         budget -= slots * slot_bytes
+        budget = multihost.from_process_0(budget)  # pools of one shape on every process
         if budget < 2 * self.config.block_bytes(cfg, self.draft_config):
             raise ValueError(f"engine argument gpu_memory_utilization={self.config.gpu_memory_utilization} leaves "
                              f"no room for the cache pool ({stats.get('bytes_in_use', 0)} bytes in use of "
@@ -331,6 +337,15 @@ class LLMEngine:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def follow(self) -> int:
+        """On a process other than 0 of several (`multihost.py`): runs process 0's steps on this
+        process's shards until process 0 stops them (`stop_followers`); returns how many ran."""
+        return self.runner.lockstep.follow(self.runner)
+
+    def stop_followers(self) -> None:
+        """On process 0 of several: tells the other processes there are no more steps."""
+        self.runner.lockstep.stop()
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached page and checkpoint (with no request in flight)."""

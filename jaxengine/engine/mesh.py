@@ -9,6 +9,8 @@ heads fewer than the devices are copied to each, as vLLM does).
 """
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -40,6 +42,9 @@ class Parallelism:
         if self.first_device + tp > available:
             raise ValueError(f"engine argument tensor_parallel_size={tp} exceeds the {available - self.first_device} "
                              f"{jax.default_backend()} devices present")
+        if jax.process_count() > 1 and (tp != available or self.first_device):
+            raise ValueError(f"engine argument tensor_parallel_size={tp} must be the {available} devices of all "
+                             f"{jax.process_count()} processes: one engine spans every host")
         if self.enable_expert_parallel and cfg.moe is None:
             raise ValueError(f"engine argument enable_expert_parallel=True: {what} has no mixture-of-experts layers")
         for field, count in _split_counts(cfg, self.enable_expert_parallel):
@@ -49,6 +54,11 @@ class Parallelism:
         if a is not None and a.num_kv_heads % tp and tp % a.num_kv_heads:
             raise ValueError(f"engine argument tensor_parallel_size={tp} does not divide {what}'s "
                              f"num_key_value_heads={a.num_kv_heads} (nor is it a multiple of it)")
+
+    def placement(self, cfg: ModelConfig) -> Callable[[nnx.Variable], NamedSharding]:
+        """Where each of `cfg`'s parameters goes on this engine's mesh (`param_sharding`)."""
+        mesh = self.mesh()
+        return functools.partial(param_sharding, mesh=mesh, rules=axis_rules(cfg, mesh, self.enable_expert_parallel))
 
     def mesh(self) -> Mesh:
         """`tensor_parallel_size` devices from `first_device` on as a 1 x tp ("data", "model") mesh."""
@@ -97,13 +107,16 @@ def sharding(mesh: Mesh, rules: Rules, names: axes.Axes, shape: tuple[int, ...])
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
+def param_sharding(var: nnx.Variable, mesh: Mesh, rules: Rules) -> NamedSharding:
+    """Where a parameter goes: by the logical axes it declares (`models/axes.py`)."""
+    value = var.get_value()
+    names = var.get_metadata().get("out_sharding") or (None,) * value.ndim
+    return sharding(mesh, rules, names, value.shape)
+
+
 def param_shardings(params: nnx.State, mesh: Mesh, rules: Rules) -> list[NamedSharding]:
     """One sharding per leaf of `params`, in `jax.tree.leaves` order."""
-
-    def one(var: nnx.Variable) -> NamedSharding:
-        names = var.get_metadata().get("out_sharding") or (None,) * var.value.ndim
-        return sharding(mesh, rules, names, var.value.shape)
-
+    one = functools.partial(param_sharding, mesh=mesh, rules=rules)
     return jax.tree.leaves(jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 

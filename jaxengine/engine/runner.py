@@ -8,10 +8,11 @@ from pathlib import Path
 import jax
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 from jax.tree_util import PyTreeDef
 
 from jaxengine.engine.mesh import Parallelism, Rules, axis_rules, param_shardings
+from jaxengine.engine.multihost import Lockstep
 from jaxengine.engine.pools import allocate_pools, pool_shardings
 from jaxengine.engine.sampler import SampleOutput, SamplingBatch, draft_tokens, prompt_logprobs, sample_tokens
 from jaxengine.engine.step_executables import StepExecutables
@@ -31,7 +32,12 @@ def _model_step(
     the shardings `placement`, those they came in: donation hands their buffers back)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
     logits, pools = model(pools, batch, decode=decode, all_logits=all_logits, rows=rows)
-    return logits, jax.lax.with_sharding_constraint(pools, placement)
+    return _everywhere(logits), jax.lax.with_sharding_constraint(pools, placement)
+
+
+def _everywhere(outputs):
+    """`outputs` whole on every device: each process can read them (`multihost.py`)."""
+    return jax.lax.with_sharding_constraint(outputs, PartitionSpec())
 
 
 def _sample_step(
@@ -78,7 +84,7 @@ def _sample_step(
     # The pools in the order jit flattens the (keyword) arguments: it gives each donated
     # input buffer to the first output of its shape, and a draft may have the target's shapes.
     draft_pools, pools = jax.lax.with_sharding_constraint((draft_pools, pools), placement)
-    return out, draft_pools, pools
+    return _everywhere(out), draft_pools, pools
 
 
 def _place(params: nnx.State, mesh: Mesh, rules: Rules) -> tuple[list[jax.Array], PyTreeDef]:
@@ -158,6 +164,8 @@ class ModelRunner:
         # One executable per step shape, compiled (or loaded from `store`) ahead of its first
         # step, and called directly: no tracing, no dispatch through the jit's cache.
         self.steps = StepExecutables(self._lower, self._file_key, store or StepStore(None))
+        # With several processes, process 0's steps run on the others too (`multihost.py`).
+        self.lockstep = Lockstep()
 
     def pools_lost(self) -> bool:
         """Whether the pools were donated to a step that did not hand new ones back."""
@@ -165,19 +173,22 @@ class ModelRunner:
 
     def reset_pools(self) -> None:
         """Fresh zero pools (after `pools_lost`): everything they held is gone."""
+        self.lockstep.send("reset_pools")
         self.pools = self._allocate()
         self.draft_pools = self._allocate_draft()
 
-    def logits(self, batch: StepBatch, *, decode: bool = False, all_logits: bool = False) -> jax.Array:
+    def logits(self, batch: StepBatch, decode: bool = False, all_logits: bool = False) -> jax.Array:
         """Runs one step and returns float32 logits (every token's when `all_logits`)."""
+        self.lockstep.send("logits", batch, decode, all_logits)
         with jax.set_mesh(self.mesh):  # kernels run on each device's heads (`kernels.py`)
             logits, self.pools = self.model_step(
                 param_leaves=self.param_leaves, pools=self.pools, batch=batch, decode=decode, all_logits=all_logits
             )
         return logits
 
-    def sample(self, batch: StepBatch, sampling: SamplingBatch, *, decode: bool) -> SampleOutput:
+    def sample(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> SampleOutput:
         """Runs one step and samples each sequence's next token on device."""
+        self.lockstep.send("sample", batch, sampling, decode)
         executable = self.executable(batch, sampling, decode=decode)
         out, self.draft_pools, self.pools = self.run_executable(executable, batch, sampling)
         return out

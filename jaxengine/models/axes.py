@@ -24,10 +24,10 @@ def param(value: jax.Array, axes: Axes) -> nnx.Param:
     """A parameter whose dimensions hold `axes` (one name or None per dimension)."""
     if len(axes) != value.ndim:
         raise ValueError(f"axes {axes} do not match a parameter of shape {value.shape}")
-    return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
 def linear_metadata(inputs: str | None, outputs: str | None) -> dict:
     """`nnx.Linear` keyword arguments declaring its kernel `[in, out]` and bias `[out]` axes."""
-    return dict(kernel_metadata=dict(sharding_names=(inputs, outputs), eager_sharding=False),
-                bias_metadata=dict(sharding_names=(outputs,), eager_sharding=False))
+    return dict(kernel_metadata=dict(out_sharding=(inputs, outputs), eager_sharding=False),
+                bias_metadata=dict(out_sharding=(outputs,), eager_sharding=False))

@@ -243,8 +243,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     mup: MupMultipliers | None = None  # folded into the weights at load
     shared_block: SharedBlockConfig | None = None
-    # The multi-token-prediction module's decoder layers (full attention; `mtp.py`), when the
-    # checkpoint has one and speculative decoding uses it; () otherwise.
+    # The multi-token-prediction module's decoder layers (`mtp.py`: the first with full
+    # attention, any others feed-forward only), when the checkpoint has one and speculative
+    # decoding uses it; () otherwise.
     mtp_layers: tuple[LayerSpec, ...] = ()
 
     @property
@@ -254,8 +255,8 @@ class ModelConfig:
 
     @property
     def num_kv_layers(self) -> int:
-        """Sets of KV pages in the cache blocks: the layers', then the MTP layers'."""
-        return self.num_attention_layers + len(self.mtp_layers)
+        """Sets of KV pages in the cache blocks: the layers', then the MTP module's."""
+        return self.num_attention_layers + sum(spec.num_kv_uses for spec in self.mtp_layers)
 
     @property
     def num_recurrent_layers(self) -> int:
@@ -773,16 +774,35 @@ def _with_mtp(cfg: ModelConfig, hf: PretrainedConfig) -> ModelConfig:
     Qwen3.5; jaxengine reads the same field for its other attention models): full-attention
     decoder layers of the model's own kind, with a MoE feed-forward where the model's
     layers have one."""
+    if cfg.architecture == "NemotronHForCausalLM":
+        return _nemotron_h_mtp(cfg, hf)
     n = getattr(hf, "mtp_num_hidden_layers", 0) or 0
     if not n:
         return cfg
-    if cfg.attention is None or cfg.architecture == "NemotronHForCausalLM":
+    if cfg.attention is None:
         _fail(cfg.architecture, "mtp_num_hidden_layers", n, "0 (jaxengine reads MTP modules of attention "
               "models in the Qwen3-Next format)")
     if n != 1:
         _fail(cfg.architecture, "mtp_num_hidden_layers", n, "1")
     ffn = "moe" if any(spec.ffn == "moe" for spec in cfg.layers) else "mlp"
     return dataclasses.replace(cfg, mtp_layers=(LayerSpec("attention", ffn),))
+
+
+def _nemotron_h_mtp(cfg: ModelConfig, hf: PretrainedConfig) -> ModelConfig:
+    """Nemotron-H's MTP layers (`num_nextn_predict_layers`, of the kinds `mtp_layers_block_type`
+    lists): a full-attention layer, then feed-forward layers, each with its own norm."""
+    n = getattr(hf, "num_nextn_predict_layers", 0) or 0
+    if not n:
+        return cfg
+    if n != 1:
+        _fail(cfg.architecture, "num_nextn_predict_layers", n, "0 or 1")
+    kinds = list(hf.mtp_layers_block_type)
+    ffn_kinds = ("mlp", "moe") if cfg.moe is not None else ("mlp",)
+    if not kinds or kinds[0] != "full_attention" or any(kind not in ffn_kinds for kind in kinds[1:]):
+        _fail(cfg.architecture, "mtp_layers_block_type", kinds,
+              f"'full_attention' followed by any of {', '.join(map(repr, ffn_kinds))}")
+    layers = [LayerSpec("attention", None), *(LayerSpec(None, kind) for kind in kinds[1:])]
+    return dataclasses.replace(cfg, mtp_layers=tuple(layers))
 
 
 def checkpoint_dtype(model_dir: str | Path) -> str:

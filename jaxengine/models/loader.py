@@ -369,10 +369,15 @@ RULES: dict[str, list[Rule]] = {
 
 # The multi-token-prediction module (`mtp.py`): its own tensors, and its decoder layers named
 # as the model's own (`mtp.layers.<N>.` for `model.layers.<N>.`).
+# Nemotron-H's names for the MTP module's input norms, input projection and final norm.
+NEMOTRON_MTP_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "final_layernorm": "norm"}
+
 MTP_RULES = [
-    Rule(r"^mtp\.fc\.weight$", _top("mtp", "fc", "kernel"), "linear"),
+    Rule(r"^mtp\.(?:layers\.0\.eh_proj|fc)\.weight$", _top("mtp", "fc", "kernel"), "linear"),
     Rule(r"^mtp\.(?P<norm>pre_fc_norm_embedding|pre_fc_norm_hidden|norm)\.weight$",
          lambda m, cfg: [("mtp", m.group("norm"), "weight")]),
+    Rule(r"^mtp\.layers\.\d+\.(?P<norm>enorm|hnorm|final_layernorm)\.weight$",
+         lambda m, cfg: [("mtp", NEMOTRON_MTP_NAMES[m.group("norm")], "weight")]),
 ]
 
 # Tensors a checkpoint may carry that serving its text model does not use: rotary tables,
@@ -503,7 +508,8 @@ def _rule_for(name: str, cfg: ModelConfig, rules: list[Rule]) -> tuple[Rule | No
     for none. MTP tensors match only when the model has an MTP module: its layers by the
     architecture's own rules, as layers of a model made of the MTP layers."""
     if cfg.mtp_layers and name.startswith("mtp."):
-        if name.startswith("mtp.layers."):
+        own = any(re.search(r.pattern, name) for r in MTP_RULES)
+        if name.startswith("mtp.layers.") and not own:
             inner = "model." + name.removeprefix("mtp.")  # mtp.layers.N.x -> model.layers.N.x
             rule, match, targets = _rule_for(inner, dataclasses.replace(cfg, layers=cfg.mtp_layers, mtp_layers=()), rules)
             return rule, match, [("mtp", *t) for t in targets]
@@ -557,10 +563,13 @@ def _unflat(flat: dict[Path_, object]) -> dict:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "float32", kernels: str = "auto", *, mtp: bool = False
+    model_dir: str | Path, dtype: str = "float32", kernels: str = "auto", *, mtp: bool = False,
+    place: Callable[[nnx.Variable], jax.sharding.Sharding] | None = None,
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
     """Loads a model directory (Hugging Face, or converted by `jaxengine convert`), with its
-    MTP module when `mtp` (the config must declare one).
+    MTP module when `mtp` (the config must declare one). `place`: where each parameter goes
+    (the engine's mesh); converted parameters are restored straight into those shardings, each
+    process reading its shards; Hugging Face tensors are read to host memory either way.
 
     Returns the config, the graph definition and the parameter state, ready for `nnx.merge`."""
     if dtype not in ("float32", "bfloat16", "float16"):
@@ -572,7 +581,7 @@ def load_model(
     converted = model_dir / CONVERTED_PARAMS_DIR
     if converted.is_dir():  # stored with the MTP module its config declares (`jaxengine convert`)
         stored = state if cfg == declared else nnx.split(abstract_model(declared, jnp.dtype(dtype), kernels))[1]
-        params = restore_params(converted, stored)
+        params = restore_params(converted, stored, place)
         if not mtp:
             params.pop("mtp", None)
     else:
@@ -587,8 +596,15 @@ def save_params(state: nnx.State, out_dir: Path) -> None:
         ckptr.save((Path(out_dir) / CONVERTED_PARAMS_DIR).absolute(), state.to_pure_dict())
 
 
-def restore_params(path: Path, abstract_state: nnx.State) -> dict:
-    """Restores parameters stored by `save_params`, with the abstract state's shapes and dtypes."""
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state.to_pure_dict())
+def restore_params(path: Path, abstract_state: nnx.State,
+                   place: Callable[[nnx.Variable], jax.sharding.Sharding] | None = None) -> dict:
+    """Restores parameters stored by `save_params`, with the abstract state's shapes and dtypes,
+    each in the sharding `place` gives it (default: the default device)."""
+
+    def target(var: nnx.Variable) -> jax.ShapeDtypeStruct:
+        value = var.get_value()
+        return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=place(var) if place else None)
+
+    target = jax.tree.map(target, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)).to_pure_dict()
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(path.absolute(), target)

@@ -1,15 +1,17 @@
 """The multi-token-prediction (MTP) module: a draft head the target model carries, run inside
 the target's own step (speculative decoding's `mtp` method).
 
-Qwen3-Next / Qwen3.5's format (`mtp.*` tensors). At position t it reads the target's final
-hidden state h_t and the embedding of token t + 1,
+Qwen3-Next / Qwen3.5's format (`mtp.*` tensors), and Nemotron-H's (the same computation under
+other names). At position t it reads the target's final hidden state h_t and the embedding of
+token t + 1,
 
     x_t = fc([pre_fc_norm_embedding(embed(token t+1)), pre_fc_norm_hidden(h_t)])   # [2D] -> [D]
 
-runs one full-attention decoder layer of the model's own kind over x, with KV pages of its own
-that lie in the cache blocks beside the target's (so prefix caching keeps them), and
+runs one full-attention decoder layer of the model's own kind over x (Nemotron-H: an attention
+layer, then its feed-forward layers), with KV pages of its own that lie in the cache blocks
+beside the target's (so prefix caching keeps them), and
 
-    g_t = norm(layer(x)_t),   logits = head(g_t)   (the target's output projection)
+    g_t = norm(layers(x)_t),   logits = head(g_t)   (the target's output projection)
 
 predicts token t + 2. Drafting k tokens after a step: the first from g at each sequence's last
 accepted position; each next one by running the layer at the following position on its own
@@ -36,7 +38,9 @@ from jaxengine.models.layers import RMSNorm, linear, norm_settings
 
 
 class Mtp(nnx.Module):
-    """`mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.fc`, `mtp.layers.0`, `mtp.norm`."""
+    """`mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.fc`, `mtp.layers.*`, `mtp.norm`
+    (Nemotron-H's `mtp.layers.0.enorm`, `.hnorm`, `.eh_proj` and the last layer's
+    `final_layernorm` are loaded into the same parameters)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         d = cfg.hidden_size
@@ -51,7 +55,10 @@ class Mtp(nnx.Module):
         return self.fc(jnp.concatenate([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], -1))
 
     def outputs(self, cfg: ModelConfig, x: jax.Array, attention_out: jax.Array) -> jax.Array:  # -> g [T, D]
-        return self.norm(self.layers[0].feed_forward(cfg, add_residual(cfg, x, attention_out)))
+        h = add_residual(cfg, x, attention_out)  # the first layer's attention
+        for layer in self.layers:  # its feed-forward (Qwen), or the feed-forward layers after it (Nemotron-H)
+            h = layer.feed_forward(cfg, h)
+        return self.norm(h)
 
 
 DraftChooser = Callable[[jax.Array, int], jax.Array]  # (logits [S, V], drafts before it) -> draft [S] int32

@@ -39,6 +39,7 @@ def test_greedy_matches_transformers_under_preemption(tiny_models, arch):
         assert not sched.slots.in_use
 
 
+@pytest.mark.slow  # waits for every shape to compile; test_background_compile.py checks the serving side fast
 def test_no_compiles_after_warm_up(bamba_llm):
     """After warm-up, no step of a run over mixed prompt lengths waits for a compile (shapes
     still compiling in the background are served by larger ready ones), and the background

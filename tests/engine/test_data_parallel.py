@@ -45,6 +45,7 @@ def test_two_replicas_of_two_devices_serve_a_conversation_from_one_replica(bamba
     assert stats["tokens_hit"] == sum(r["tokens_hit"] for r in stats["replicas"]) >= 32
 
 
+@pytest.mark.slow  # routing by prefix: run fast by the conversation test above
 def test_a_prompts_samples_share_one_replica(bamba):
     path, _ = bamba
     llm = LLM(path, data_parallel_size=2, **ARGS)

@@ -90,6 +90,7 @@ def test_tokens_are_those_of_plain_decoding(models, pair):
     llm.engine.scheduler.check_invariants()
 
 
+@pytest.mark.slow  # prefix hits under in-step drafting: run fast by test_mtp.py's drafts test
 def test_the_target_as_its_own_draft_is_always_accepted_on_a_prefix_hit_too(models):
     """Every draft agrees only if the draft's KV and states at every position are the
     target's: through page boundaries, verify steps and a 300-token prompt's prefix hit."""

@@ -12,7 +12,7 @@ from tests.models.tiny_models import hf_greedy, random_prompt, save_tiny_model
 from tests.models.tiny_mtp import add_tiny_mtp, reference_drafts
 
 MTP = {"method": "mtp", "num_speculative_tokens": K, "adaptive": False}
-ARCHS = ("llama", "bamba", "qwen3_5")
+ARCHS = ("llama", "bamba", "qwen3_5", "nemotron_h")
 
 
 def _slow_but(fast: str):
@@ -60,7 +60,8 @@ def test_drafts_are_the_modules_greedy_drafts(mtp_models, arch):
     assert again.step_drafts == reference_drafts(model, mtp, again.tokens, K)
 
 
-@pytest.mark.parametrize("arch", _slow_but("llama"))
+@pytest.mark.slow  # tokens under MTP speculation: run fast under preemption below
+@pytest.mark.parametrize("arch", ARCHS)
 def test_tokens_are_those_of_plain_decoding(mtp_models, arch):
     """Mixed prefill and verify steps, stop tokens, min_tokens and prefix hits (`_run`), and
     seeded sampling."""
@@ -99,7 +100,7 @@ def test_mtp_on_a_model_without_an_mtp_module_is_refused(tmp_path):
         LLM(tmp_path, speculative_config=MTP, **ARGS)
 
 
-@pytest.mark.parametrize("decode", [True, False], ids=["verify", "prefill"])
+@pytest.mark.parametrize("decode", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["verify", "prefill"])
 def test_no_step_copies_a_pool_with_the_mtp_module(mtp_models, decode):
     """The MTP layer's KV pages are written in place too, in the main pass and in the drafting
     chain under its `lax.cond`."""

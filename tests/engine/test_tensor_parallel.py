@@ -3,14 +3,18 @@ tokens equal one device's, with a prefix hit in the workload; every weight and p
 where the sharding table says; bad parallel arguments are refused before anything loads."""
 
 import dataclasses
+import shutil
 
 import jax
+import numpy as np
 import pytest
+from flax import nnx
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.engine import llm_engine
 from jaxengine.engine.mesh import Parallelism
 from jaxengine.models.config import load_model_config
+from jaxengine.models.loader import load_model, save_params
 from tests.engine.test_pool_donation import assert_no_step_copies_a_pool
 from tests.models.tiny_models import ARCHS, hf_greedy, random_prompt, save_tiny_model
 
@@ -169,3 +173,22 @@ def test_kv_heads_neither_dividing_nor_divided_are_refused(models):
         Parallelism(4).validate(odd)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's num_key_value_heads=3"):
         Parallelism(2).validate(odd)
+
+
+def test_converted_parameters_are_restored_into_their_shards(models, tmp_path):
+    """A `jaxengine convert`ed checkpoint comes back from Orbax already split (no whole copy on
+    one device), each parameter in the sharding the table gives it, equal to the original."""
+    path, _ = models("bamba")
+    _, _, state = load_model(path)
+    shutil.copy(path / "config.json", tmp_path)
+    save_params(state, tmp_path)
+    place = Parallelism(4).placement(load_model_config(tmp_path))
+    restored = load_model(tmp_path, place=place)[2]
+    variables = jax.tree.leaves(restored, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    split = 0
+    for var, want in zip(variables, jax.tree.leaves(state)):
+        value = var.get_value()
+        assert isinstance(value, jax.Array) and value.sharding == place(var)
+        np.testing.assert_array_equal(np.asarray(value), want)
+        split += value.sharding.shard_shape(value.shape) != value.shape
+    assert split > len(variables) // 2  # most are split four ways

@@ -245,6 +245,26 @@ def test_lfm2_unsupported_layer_type_is_named(tmp_path):
         load_model(tmp_path)
 
 
+def test_nemotron_h_mtp_layers_are_read_and_unsupported_ones_named(tmp_path):
+    """Nemotron-H's MTP module: an attention layer, then feed-forward layers (its tensors under
+    their own names: mtp.layers.0.eh_proj, mtp.layers.1.final_layernorm, ...)."""
+    src = tmp_path / "hf"
+    add_tiny_mtp(save_tiny_model("nemotron_h", src), src)
+    cfg, _, state = load_model(src, mtp=True)
+    assert [(spec.mixers, spec.ffn) for spec in cfg.mtp_layers] == [(("attention",), None), ((), "moe")]
+    tensors = load_file(src / "model.safetensors")
+    mtp = state.to_pure_dict()["mtp"]
+    np.testing.assert_array_equal(np.asarray(mtp["fc"]["kernel"]), tensors["mtp.layers.0.eh_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(mtp["norm"]["weight"]), tensors["mtp.layers.1.final_layernorm.weight"])
+    for edit, message in [
+        (dict(num_nextn_predict_layers=2), r"num_nextn_predict_layers=2; supported: 0 or 1"),
+        (dict(num_nextn_predict_layers=1, mtp_layers_block_type=["moe", "full_attention"]), r"mtp_layers_block_type=\['moe', 'full_attention'\]"),
+    ]:
+        edit_config(src, lambda c, edit=edit: c.update(edit))
+        with pytest.raises(ValueError, match=r"NemotronHForCausalLM: unsupported value " + message):
+            load_model_config(src)
+
+
 def test_lfm2_feed_forward_width_is_auto_adjusted(tmp_path):
     """intermediate_size=128 -> int(2 * 128 / 3) = 85, rounded up to block_multiple_of=16: 96
     (what transformers builds: the checkpoint's w1 has 96 rows)."""

@@ -24,7 +24,7 @@ KERNEL_ROWS = [
 ]
 ON_GPU = jax.default_backend() == "gpu"
 ENGINE_ROWS = ["engine decode b4", "engine prefill 4x8", "engine load / first runs", "engine first tokens auto vs ref",
-               "engine verify b4", "engine verify b4 draft_model"]
+               "engine tensor parallel", "engine verify b4", "engine verify b4 draft_model"]
 
 
 def _run(tmp_path: Path, *argv: str) -> tuple[int, dict]:
@@ -54,6 +54,8 @@ def test_quick_run_checks_kernels_and_engine(tmp_path, capsys):
     assert decode["reference"]["kernels"] == "reference"
     assert decode["auto"]["recompiles"] == 0 and decode["reference"]["recompiles"] == 0
     assert rows["engine first tokens auto vs ref"]["status"] == "pass"
+    tp = rows["engine tensor parallel"]  # the suite's eight CPU devices: the largest size the heads split over
+    assert tp["status"] == "pass" and tp["details"]["tensor_parallel_size"] > 1 and tp["kernel"] > 0, tp
     for name in ENGINE_ROWS[-2:]:
         verify = rows[name]
         assert verify["status"] == "pass" and verify["details"]["verifies"] > 0  # recompiles: reported only (drafts

@@ -1,0 +1,110 @@
+"""Many hosts on one machine: `jaxengine run` as two processes on 127.0.0.1, one CPU device each,
+joined by distributed_init_addr / num_nodes / node_rank into one tensor-parallel engine — the
+README's two-host command — and how a process that cannot reach the other, or loses it, stops."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jaxengine import LLM, SamplingParams
+from tests.engine.conftest import ENGINE_ARGS
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = list(range(40, 64))  # a prefix the second and third prompts share: a prefix hit
+PROMPTS = [list(range(3, 30)), SHARED + [7, 8, 9], SHARED + [11, 12]]
+MAX_TOKENS = 6
+# One sequence at a time (the third prompt finds the second's pages) and few step shapes to compile.
+ARGS = {**ENGINE_ARGS, "max_num_seqs": 1, "max_num_batched_tokens": 32, "warm_up": False}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(tmp_path: Path, model: Path, **engine) -> Path:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    config = {
+        "model": str(model),
+        "engine": {**ARGS, "compilation_cache_dir": None, "tensor_parallel_size": 2,
+                   "distributed_init_addr": f"127.0.0.1:{_free_port()}", "num_nodes": 2, **engine},
+        "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0},
+        "input": str(prompts),
+        "output": str(tmp_path / "outputs.jsonl"),
+        "metrics": str(tmp_path / "metrics.json"),
+        "progress": False,
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _start(config: Path, rank: int) -> subprocess.Popen:
+    """`jaxengine run CONFIG --node-rank RANK` in a fresh process with one CPU device."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "jaxengine", "run", str(config), "--node-rank", str(rank)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(process: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        pytest.fail(f"no exit within {timeout} s:\n{out}\n{err}")
+    return process.returncode, out, err
+
+
+def test_two_processes_give_the_tokens_of_one(tmp_path, tiny_models):
+    model = tiny_models["bamba"][0]
+    config = _config(tmp_path, model)
+    leader, follower = _start(config, 0), _start(config, 1)
+    (rc0, _, err0), (rc1, out1, err1) = _finish(leader), _finish(follower)
+    assert rc0 == 0, err0
+    assert rc1 == 0, err1
+    records = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+    llm = LLM(model, **ARGS)  # one process, one device
+    want = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+                        use_tqdm=False)
+    assert [r["token_ids"] for r in records] == [w.outputs[0].token_ids for w in want]
+    assert records[2]["num_cached_tokens"] > 0  # the shared prefix hit on process 0's cache
+    steps = int(out1.split("ran process 0's ")[1].split()[0])
+    assert steps >= MAX_TOKENS
+
+
+def test_a_follower_that_reaches_nothing_stops_within_the_timeout(tmp_path, tiny_models):
+    config = _config(tmp_path, tiny_models["bamba"][0], distributed_timeout_s=2)
+    start = time.monotonic()
+    rc, _, err = _finish(_start(config, 1), timeout=120)
+    assert rc != 0
+    assert "distributed_init_addr" in err and "nothing answered there within distributed_timeout_s=2" in err
+    assert time.monotonic() - start < 60
+
+
+def test_when_a_follower_dies_process_0_stops_with_an_error(tmp_path, tiny_models):
+    config = _config(tmp_path, tiny_models["bamba"][0], distributed_timeout_s=10)
+    leader, follower = _start(config, 0), _start(config, 1)
+    # Once the follower has built its engine (after joining), it goes.
+    for line in follower.stderr:
+        if "prefix cache:" in line:
+            break
+    follower.send_signal(signal.SIGKILL)
+    follower.communicate()
+    start = time.monotonic()
+    rc, _, err = _finish(leader, timeout=120)
+    assert rc != 0
+    assert "lost the other processes" in err or "Gloo" in err
+    assert time.monotonic() - start < 90
+    assert not (tmp_path / "outputs.jsonl").exists()
