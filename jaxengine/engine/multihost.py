@@ -66,9 +66,7 @@ class Lockstep:
     """Process 0's calls on its model runner, made on every other process's runner too."""
 
     def __init__(self):
-        self.num_processes = jax.process_count()
-        self.leading = self.num_processes > 1 and jax.process_index() == 0
-        self.following = jax.process_index() > 0
+        self.leading = jax.process_count() > 1 and jax.process_index() == 0
         self.stopped = False  # process 0 said there are no more steps
 
     def send(self, method: str, *args) -> None:

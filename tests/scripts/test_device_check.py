@@ -118,7 +118,7 @@ def test_engine_report_when_a_mode_did_not_run():
     auto = device_check.EngineRun("auto", 1.0, 9.0, 400.0, 300.0, 2000.0, 0, [[1, 2, 3], [4, 5, 6]], [7, 8])
     roofline = device_check.Roofline(bandwidth=1e9, matmul_rate=1e12)
     rows = device_check.engine_report(spec, sizes, {"auto": auto, "reference": "skipped (time)"}, roofline)
-    assert [r.name for r in rows] == ENGINE_ROWS[:-2]  # the verify rows come from runs of their own
+    assert [r.name for r in rows] == ENGINE_ROWS[:4]  # the tensor-parallel and verify rows come from runs of their own
     decode = rows[0]
     assert decode.status == "ok" and decode.kernel == 400.0 and decode.reference is None and decode.speedup is None
     assert decode.note == "reference: skipped (time)" and decode.kernel_floor_pct > 0
