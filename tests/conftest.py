@@ -10,6 +10,9 @@ from jax.experimental.compilation_cache import compilation_cache
 from transformers import logging as hf_logging
 
 hf_logging.set_verbosity_error()
+# The suite's time is mostly XLA:CPU compiling tiny programs; LLVM's optimizations at level 0
+# halve it and the programs run as fast as these tests need (subprocesses inherit the flag).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 # Eight CPU devices, for the tensor-parallel tests; an engine uses one unless told otherwise.
 jax.config.update("jax_num_cpu_devices", 8)
 # Engines built with the default compilation_cache_dir (~/.cache/jaxengine/xla) store their

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -414,9 +414,10 @@ def _convert(kind: str, tensor: np.ndarray) -> list[np.ndarray]:
     return [tensor]
 
 
-def _read_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
-    """All tensors of a single-file or sharded safetensors checkpoint, as numpy arrays; a
-    ValueError naming the file for a broken file, and naming the tensor for one holding NaN
+def _read_safetensors(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """The tensors of a single-file or sharded safetensors checkpoint, one at a time as host
+    (numpy) arrays, so converting a checkpoint holds one raw tensor beside the converted ones;
+    a ValueError naming the file for a broken file, and naming the tensor for one holding NaN
     or infinity (such weights would turn every output into the same token silently)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -428,20 +429,22 @@ def _read_safetensors(model_dir: Path) -> dict[str, np.ndarray]:
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
-    tensors = {}
     for name in files:
         path = model_dir / name
         try:
-            with safe_open(path, framework="flax") as f:
-                for key in f.keys():
-                    tensors[key] = np.asarray(f.get_tensor(key))
+            handle = safe_open(path, framework="numpy")
         except (OSError, SafetensorError, ValueError) as err:
             raise ValueError(f"{path}: cannot read the safetensors file ({err})") from None
-    for key, tensor in tensors.items():
-        if np.issubdtype(tensor.dtype, np.floating) or tensor.dtype.name == "bfloat16":
-            if not np.isfinite(tensor.astype(np.float32)).all():
-                raise ValueError(f"{model_dir}: tensor {key!r} holds NaN or infinite values")
-    return tensors
+        with handle as f:
+            for key in f.keys():
+                try:
+                    tensor = f.get_tensor(key)
+                except (OSError, SafetensorError, ValueError) as err:
+                    raise ValueError(f"{path}: cannot read the safetensors file ({err})") from None
+                if np.issubdtype(tensor.dtype, np.floating) or tensor.dtype.name == "bfloat16":
+                    if not np.isfinite(tensor.astype(np.float32)).all():
+                        raise ValueError(f"{model_dir}: tensor {key!r} holds NaN or infinite values")
+                yield key, tensor
 
 
 def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, kernels: str = "auto") -> HybridLM:
@@ -457,7 +460,7 @@ def params_from_hf(model_dir: Path, cfg: ModelConfig, abstract_state: nnx.State)
     # Parameters assembled from several tensors: (expert or None, first column) -> [in, width].
     parts: dict[Path_, dict[tuple[int | None, int], np.ndarray]] = {}
     ignored: dict[str, int] = {}
-    for name, tensor in _read_safetensors(model_dir).items():
+    for name, tensor in _read_safetensors(model_dir):
         rule, match, targets = _rule_for(name, cfg, rules)
         if rule is None:
             if found := IGNORED.search(name):
@@ -499,8 +502,9 @@ def params_from_hf(model_dir: Path, cfg: ModelConfig, abstract_state: nnx.State)
     if missing:
         names = ", ".join("/".join(map(str, p)) for p in missing[:8])
         raise ValueError(f"{model_dir}: missing tensors for parameters {names}" + (" ..." if len(missing) > 8 else ""))
-    # Host arrays: the engine puts each straight into its shards on the device mesh.
-    return _unflat({p: np.asarray(v, dtype=expected[p].dtype) for p, v in filled.items()})
+    # Host arrays in the model's dtype, each converted as the one before it is let go; the
+    # engine puts each straight into its shards on the device mesh.
+    return _unflat({p: np.asarray(filled.pop(p), dtype=expected[p].dtype) for p in list(filled)})
 
 
 def _rule_for(name: str, cfg: ModelConfig, rules: list[Rule]) -> tuple[Rule | None, re.Match | None, list[Path_]]:

@@ -51,8 +51,8 @@ def _config(tmp_path: Path, model: Path, **engine) -> Path:
 
 def _start(config: Path, rank: int) -> subprocess.Popen:
     """`jaxengine run CONFIG --node-rank RANK` in a fresh process with one CPU device."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
     return subprocess.Popen([sys.executable, "-m", "jaxengine", "run", str(config), "--node-rank", str(rank)],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

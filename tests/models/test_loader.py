@@ -6,6 +6,7 @@ the engine use the parity prompt length, so their step shapes are already compil
 whole directory runs.
 """
 
+import copy
 import json
 import math
 import re
@@ -14,8 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
+import torch
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 from transformers import PreTrainedModel
@@ -108,6 +111,20 @@ def test_sharded_checkpoint_loads_like_single_file(arch, tmp_path):
     logits = engine_logits(sharded)
     np.testing.assert_array_equal(logits, engine_logits(single))
     assert max_abs_diff(logits, hf_logits(model, PROMPT)) <= FLOAT32_ATOL
+
+
+def test_a_bfloat16_checkpoint_loads_its_values_in_either_dtype(bamba, tmp_path):
+    """Tensors stored in bfloat16 are read as such and widened exactly."""
+    path, model = bamba
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path)
+    as_stored = load_file(tmp_path / "model.safetensors")
+    assert {x.dtype.name for x in as_stored.values()} == {"bfloat16"}
+    rounded = [np.asarray(x).astype(ml_dtypes.bfloat16) for x in jax.tree.leaves(load_model(path)[2])]
+    for dtype in ("bfloat16", "float32"):
+        leaves = jax.tree.leaves(load_model(tmp_path, dtype)[2])
+        assert len(leaves) == len(rounded)
+        for got, want in zip(leaves, rounded):
+            np.testing.assert_array_equal(np.asarray(got), want.astype(dtype))
 
 
 def test_tied_embeddings_match_hf(tmp_path):
