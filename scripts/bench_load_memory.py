@@ -75,7 +75,7 @@ def _run_child(model_dir: Path, tp: int, dtype: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", str(model_dir), str(tp), dtype],
                          env=env, capture_output=True, text=True)
     if out.returncode:  # e.g. a size the model's heads refuse: its ValueError's message
-        return {"error": (out.stderr.strip().splitlines() or ["exit status %d" % out.returncode])[-1]}
+        return {"error": (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
