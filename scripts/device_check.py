@@ -1086,8 +1086,11 @@ def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, inter
             log(deadline, f"engine kernels={kernels}: {status}")
         rows = engine_report(spec, sizes, runs, roofline)
         if deadline.allows(plan.engine_mode_s):
-            rows += guarded("engine", "engine tensor parallel", tensor_parallel_row, model_dir, modes["auto"], spec,
-                            runs["auto"])
+            # Interpreted, the GPU kernels cannot run on several CPU devices at once (the
+            # interpreter's shared memory is not per device): the references run under tp there.
+            tp_mode = "reference" if interpret else "auto"
+            rows += guarded("engine", "engine tensor parallel", tensor_parallel_row, model_dir, modes[tp_mode], spec,
+                            runs[tp_mode])
             gc.collect()
         else:
             rows.append(Row("engine", "engine tensor parallel", SKIPPED))
