@@ -41,7 +41,8 @@ def child(model_dir: str, tp: int, dtype: str) -> dict:
     """One load in this process (started by `main` with eight CPU devices)."""
     import jax
 
-    from jaxengine.engine.mesh import Parallelism, axis_rules, param_shardings
+    from jaxengine.engine.mesh import Parallelism, axis_rules
+    from jaxengine.engine.runner import place_params
     from jaxengine.models.config import load_model_config
     from jaxengine.models.loader import load_model
 
@@ -53,11 +54,9 @@ def child(model_dir: str, tp: int, dtype: str) -> dict:
     before = _status_kib("VmRSS")
     start = time.perf_counter()
     cfg, _, params = load_model(model_dir, dtype, place=parallelism.placement(cfg))
-    leaves = jax.tree.leaves(params)
-    placed = jax.block_until_ready(
-        [jax.device_put(x, s) for x, s in zip(leaves, param_shardings(params, mesh, axis_rules(cfg, mesh)))])
+    placed = jax.block_until_ready(place_params(params, mesh, axis_rules(cfg, mesh))[0])
     seconds = time.perf_counter() - start
-    del params, leaves
+    del params
     device0 = jax.devices()[0]
     stats = device0.memory_stats()
     return {

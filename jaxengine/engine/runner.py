@@ -87,7 +87,7 @@ def _sample_step(
     return _everywhere(out), draft_pools, pools
 
 
-def _place(params: nnx.State, mesh: Mesh, rules: Rules) -> tuple[list[jax.Array], PyTreeDef]:
+def place_params(params: nnx.State, mesh: Mesh, rules: Rules) -> tuple[list[jax.Array], PyTreeDef]:
     """The parameters' leaves put on the mesh, each in the sharding its logical axes give
     (host arrays go straight to their shards), and their tree structure."""
     leaves, treedef = jax.tree.flatten(params)
@@ -144,14 +144,14 @@ class ModelRunner:
         # The steps are jitted here with the model's structure bound, and take the parameters
         # as a flat list: hashing the graph definition and flattening the parameter tree on
         # every call cost milliseconds of host time per step.
-        self.param_leaves, self.param_treedef = _place(params, self.mesh, rules)
+        self.param_leaves, self.param_treedef = place_params(params, self.mesh, rules)
         bound = dict(graphdef=graphdef, treedef=self.param_treedef)
         self.model_step = jax.jit(
             functools.partial(_model_step, **bound, placement=placement), static_argnames=("decode", "all_logits"),
             donate_argnames=("pools",),
         )
         # The draft model's parameters and pools (its pools: blocks and slots of the target's indices).
-        self.draft_leaves, draft_treedef = _place(draft[2], self.mesh, draft_rules) if draft else ([], None)
+        self.draft_leaves, draft_treedef = place_params(draft[2], self.mesh, draft_rules) if draft else ([], None)
         self.sample_step = jax.jit(
             functools.partial(_sample_step, **bound, draft_graphdef=draft[1] if draft else None,
                               draft_treedef=draft_treedef, placement=(pool_shardings(self.draft_pools), placement)),

@@ -430,21 +430,21 @@ def _read_safetensors(model_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
     else:
         raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
     for name in files:
-        path = model_dir / name
-        try:
-            handle = safe_open(path, framework="numpy")
-        except (OSError, SafetensorError, ValueError) as err:
-            raise ValueError(f"{path}: cannot read the safetensors file ({err})") from None
-        with handle as f:
+        for key, tensor in _file_tensors(model_dir / name):
+            if np.issubdtype(tensor.dtype, np.floating) or tensor.dtype.name == "bfloat16":
+                if not np.isfinite(tensor.astype(np.float32)).all():
+                    raise ValueError(f"{model_dir}: tensor {key!r} holds NaN or infinite values")
+            yield key, tensor
+
+
+def _file_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """One safetensors file's tensors, one at a time; a ValueError naming the file if it is broken."""
+    try:
+        with safe_open(path, framework="numpy") as f:
             for key in f.keys():
-                try:
-                    tensor = f.get_tensor(key)
-                except (OSError, SafetensorError, ValueError) as err:
-                    raise ValueError(f"{path}: cannot read the safetensors file ({err})") from None
-                if np.issubdtype(tensor.dtype, np.floating) or tensor.dtype.name == "bfloat16":
-                    if not np.isfinite(tensor.astype(np.float32)).all():
-                        raise ValueError(f"{model_dir}: tensor {key!r} holds NaN or infinite values")
-                yield key, tensor
+                yield key, f.get_tensor(key)
+    except (OSError, SafetensorError, ValueError) as err:
+        raise ValueError(f"{path}: cannot read the safetensors file ({err})") from None
 
 
 def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, kernels: str = "auto") -> HybridLM:
