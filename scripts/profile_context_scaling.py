@@ -70,6 +70,7 @@ def sampler_case(max_len: int, context: int, penalties: bool):
         bad_ids=np.full((SEQS, 1), -1, np.int32), sample_rows=np.arange(SEQS, dtype=np.int32)[:, None],
         num_drafts=np.zeros(SEQS, np.int32), next_ids=np.full(SEQS, -1, np.int32),
         following_ids=np.full(SEQS, -1, np.int32), wants_drafts=np.zeros(SEQS, bool),
+        speculates=np.zeros(SEQS, bool),
     )
     logits = jnp.asarray(rng.standard_normal((SEQS, VOCAB)), jnp.float32)
     return jax.jit(functools.partial(sample_tokens, num_logprobs=20)), (logits, sb)

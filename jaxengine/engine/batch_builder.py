@@ -191,6 +191,7 @@ class BatchBuilder:
         min_tokens = np.zeros(s_size, np.int32)
         wants_logprobs = np.zeros(s_size, bool)
         wants_drafts = np.zeros(s_size, bool)
+        speculates = np.zeros(s_size, bool)
         bias_ids = np.full((s_size, MAX_LOGIT_BIAS), -1, np.int32)
         bias_values = np.zeros((s_size, MAX_LOGIT_BIAS), f32)
         allowed_ids = np.full((s_size, MAX_ALLOWED_TOKEN_IDS), -1, np.int32)
@@ -240,7 +241,8 @@ class BatchBuilder:
             prompt_lens[i] = seq.num_prompt_tokens
             min_tokens[i] = p.min_tokens
             wants_logprobs[i] = p.logprobs is not None
-            wants_drafts[i] = drafting and not seq.bad_word_ids
+            wants_drafts[i] = drafting and seq.speculates and not seq.bad_word_ids
+            speculates[i] = seq.speculates
             if seq.num_output_tokens < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 banned[i, : len(stops)] = stops[:MAX_STOP_TOKEN_IDS]
@@ -272,6 +274,6 @@ class BatchBuilder:
             history_lens=history_lens, prompt_lens=prompt_lens, banned=banned, min_tokens=min_tokens,
             wants_logprobs=wants_logprobs, bias_ids=bias_ids, bias_values=bias_values, allowed_ids=allowed_ids,
             bad_ids=bad_ids, sample_rows=sample_rows, num_drafts=num_drafts, next_ids=next_ids,
-            following_ids=following_ids, wants_drafts=wants_drafts,
+            following_ids=following_ids, wants_drafts=wants_drafts, speculates=speculates,
         )
         return batch, sampling

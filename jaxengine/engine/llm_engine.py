@@ -143,6 +143,7 @@ class LLMEngine:
             retention_interval=self.retention_interval,
             propose=self._propose if self.speculative else None,
             num_speculative_tokens=k,
+            speculates=self._admits if self.speculative else None,
         )
         self.builder = BatchBuilder(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -392,6 +393,17 @@ class LLMEngine:
         self.spec_stats.draft_seconds += time.perf_counter() - start
         return drafts
 
+    def _admits(self, num_seqs: int, hit_has_draft_state: bool) -> bool:
+        """Whether a sequence admitted into a batch of `num_seqs` speculates: not where its
+        prefix hit lacks the draft's state, and with the MTP module's adaptive gate only where
+        speculation pays against plain decoding (the module's pass over every token is then
+        saved). The draft model keeps its state for every sequence: decided step by step only."""
+        speculates = hit_has_draft_state and (self.gate is None or self.speculative.method != "mtp"
+                                              or self.gate.admits(self.builder.seq_bucket(num_seqs)))
+        self.spec_stats.requests_speculating += speculates
+        self.spec_stats.requests_not_speculating += not speculates
+        return speculates
+
     def _may_draft_next(self, num_seqs: int) -> bool:
         """Whether the next step may verify drafts (the MTP module or draft model then drafts
         in this one; not in a step the gate runs plain to time it)."""
@@ -404,6 +416,7 @@ class LLMEngine:
         return ngram_proposal(seq.tokens, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _step(self) -> list[Sequence]:
+        step_start = time.perf_counter()
         if self.gate is not None:
             self.drafting = self.gate.open(self.builder.seq_bucket(max(1, len(self.scheduler.running))))
         scheduled = self.scheduler.schedule()
@@ -455,17 +468,25 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 finished.append(seq)
             updated.append(seq)
-        if self.gate is not None and shape.decode:
-            if shape.sample_width == 1 and not drafting_next:
-                self.gate.record_decode(shape.num_seqs, seconds)
-            elif any(scheduled.drafts):
-                self.gate.record_verify(shape.num_seqs, seconds, 1 + sum(kept) / len(scheduled.seqs))
         self.scheduler.update(scheduled, kept)
         for seq in finished:
             seq.finish_time = now
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)
+        if self.gate is not None and shape.decode:  # timed whole: the host's work differs too
+            step_seconds = time.perf_counter() - step_start
+            if shape.sample_width == 1 and not drafting_next:
+                self.gate.record_decode(shape.num_seqs, step_seconds, plain=self._plain(scheduled))
+            elif any(scheduled.drafts):
+                drafting = sum(1 for d in scheduled.drafts if d)
+                self.gate.record_verify(shape.num_seqs, step_seconds, 1 + sum(kept) / drafting)
         return updated
+
+    def _plain(self, scheduled: ScheduledStep) -> bool:
+        """Whether a step did none of the speculative method's own work (ngram has none; the
+        MTP module skips a step where no sequence speculates; the draft model runs always)."""
+        method = self.speculative.method
+        return method == "ngram" or (method == "mtp" and not any(seq.speculates for seq in scheduled.seqs))
 
     def _record_prompt_logprobs(self, scheduled: ScheduledStep, prompt: PromptLogprobs) -> None:
         """Appends the Logprob entries of the prompt tokens this step's chunks predict (the

@@ -72,8 +72,8 @@ def _sample_step(
 
     if model.mtp is not None:
         drafts, pools = mtp_drafts(model, pools, batch, sampling.sample_rows, sampling.num_drafts,
-                                   sampling.following_ids, sampling.wants_drafts, h, out.tokens, last, choose,
-                                   num_step_drafts, kernel_ops(model.kernels))
+                                   sampling.following_ids, sampling.wants_drafts, sampling.speculates, h, out.tokens,
+                                   last, choose, num_step_drafts, kernel_ops(model.kernels))
         out = dataclasses.replace(out, drafts=drafts)
     if draft_graphdef is not None:
         draft = nnx.merge(draft_graphdef, jax.tree.unflatten(draft_treedef, draft_leaves))

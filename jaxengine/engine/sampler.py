@@ -41,6 +41,7 @@ class SamplingBatch:
     next_ids: jax.Array  # [T] int32: per token, the prompt token after it whose log-probability is asked, or -1
     following_ids: jax.Array  # [T] int32: per token, the token after it where the host knows it, else -1 (MTP's input)
     wants_drafts: jax.Array  # [S] bool: the sequence may verify drafts next step (the MTP module drafts for it)
+    speculates: jax.Array  # [S] bool: the sequence speculates (the MTP module runs over a step's tokens if one does)
 
 
 @jax.tree_util.register_dataclass

@@ -14,6 +14,11 @@ Prefix caching (host side only; the device just follows the index arrays):
   * full pages are registered under their chained block hash once computed;
   * each step stores the checkpoints `checkpoint_policy.plan` asks for, where the cache has
     room for them at their priority (`saves`); they become readable once the step has run.
+
+Speculation: whether a sequence speculates is decided as it is admitted (`speculates`). One
+that does not has no draft state kept for it (the MTP module's KV entries), so the cached
+pages and checkpoints it registers are marked as lacking it, and a sequence whose hit
+includes such a block does not speculate either.
 """
 
 import collections
@@ -89,6 +94,7 @@ class Scheduler:
         retention_interval: int | None = checkpoint_policy.DENSE,
         propose: Callable[[Sequence, int], list[int]] | None = None,
         num_speculative_tokens: int = 0,
+        speculates: Callable[[int, bool], bool] | None = None,
     ):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -99,6 +105,10 @@ class Scheduler:
         # Speculation: `propose(seq, at_most)` drafts tokens for a sequence about to decode;
         # each sequence then owns a live slot per draft position besides its read and write slots.
         self.propose = propose
+        # `speculates(num_seqs, hit_has_draft_state)`: whether a sequence admitted now into a batch
+        # of `num_seqs` (those running and waiting, up to max_num_seqs) speculates.
+        self.speculates = speculates
+        self.without_draft_state: set[int] = set()  # cached blocks a sequence without speculation wrote
         self.slots_per_seq = 2 + num_speculative_tokens
         self.caching = cache.enabled
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -199,6 +209,11 @@ class Scheduler:
         seq.prefill_boundary = (len(seq.tokens) // self.page_size) * self.page_size
         if slots is not None:
             seq.owned_slots, seq.read_slot = slots, slots[0]
+        hit_blocks = seq.pages[: match.hit_pages] + (match.checkpoint.blocks if match.checkpoint is not None else [])
+        has_draft_state = self.without_draft_state.isdisjoint(hit_blocks)
+        if self.speculates is not None:  # (`seq` is still among the waiting)
+            load = min(self.max_num_seqs, len(self.running) + len(self.waiting))
+            seq.speculates = self.speculates(load, has_draft_state)
         if match.checkpoint is not None:
             seq.restore = match.checkpoint
             if continues:  # superseded once this sequence checkpoints past it
@@ -255,7 +270,7 @@ class Scheduler:
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """Draft tokens for a running sequence about to decode (none for others)."""
-        if self.propose is None or seq.num_uncomputed != 1 or seq.status is not Status.RUNNING or budget < 2:
+        if not seq.speculates or seq.num_uncomputed != 1 or seq.status is not Status.RUNNING or budget < 2:
             return []
         return self.propose(seq, budget - 1)
 
@@ -318,6 +333,7 @@ class Scheduler:
                 continue
             block_hash = self._hashes(seq)[save.position // self.page_size - 1]
             if self.cache.commit(save.blocks, block_hash, save.kind.origin, self._hits(seq, save.kind)) is not None:
+                self._mark_draft_state(save.blocks, seq.speculates)
                 self._note_edge(seq, save, block_hash)
         for seq in step.seqs:
             if seq.status is Status.COMPLETING:
@@ -328,7 +344,18 @@ class Scheduler:
         for i in range(seq.num_registered_pages, seq.num_computed // self.page_size):
             block = seq.pages[i] if self.cache.has_kv else 0
             self.cache.register(block, hashes[i], hashes[i - 1] if i else None, (i + 1) * self.page_size, seq.heat)
+            if self.cache.has_kv:
+                self._mark_draft_state([block], seq.speculates)
         seq.num_registered_pages = max(seq.num_registered_pages, seq.num_computed // self.page_size)
+
+    def _mark_draft_state(self, blocks: list[int], present: bool) -> None:
+        """Notes whether cached `blocks` hold the draft's state (only speculating sequences keep it)."""
+        if self.speculates is None:
+            return
+        if present:
+            self.without_draft_state.difference_update(blocks)
+        else:
+            self.without_draft_state.update(blocks)
 
     def _note_edge(self, seq: Sequence, save: CheckpointSave, block_hash: bytes) -> None:
         """A sequence's newer edge checkpoint supersedes its older ones on the same path: the

@@ -22,7 +22,9 @@ probability at any temperature (drafting greedily caps acceptance at the target'
 probability of its top token).
 """
 
+import collections
 import dataclasses
+import statistics
 
 import numpy as np
 
@@ -112,39 +114,80 @@ def accept(drafts: list[int], sampled: list[int]) -> list[int]:
 
 
 class SpeculationGate:
-    """Decides, step by step, whether drafting pays at the current batch size.
+    """Decides whether drafting pays at the current batch size: step by step, and for the MTP
+    method also per request as it is admitted.
 
-    It keeps, per sequence bucket S, the mean seconds of a plain decode step and of a verify
-    step (exponential averages of the steps run), and the mean tokens a verify step emits per
-    sequence. A verify step pays when it emits more tokens per second than a decode step:
-    emitted / t_verify >= 1 / t_decode. Until both times are known it measures them (a plain
-    step first, then verify steps). Both estimates stay fresh: while speculation pays, every
-    `probe_every`-th step is a plain one (re-timing decode); while it does not, a probe still
-    verifies after `probe_every` steps off, so a change in acceptance or in the batch turns
-    it back on, and each probe that finds it still not paying doubles the wait, up to
-    `max_probe_every`."""
+    It keeps, per sequence bucket S, the seconds of the last `window` decode steps and verify
+    steps run (whole steps: scheduling, the device's work and the host's), and the mean tokens a verify step emits per drafting sequence (an exponential
+    average). Times are taken as the median of their window, so one slow step (the first run
+    of an executable, a pause of the host) does not decide for long. Decode steps come in two
+    kinds: those that do the method's own work for speculating sequences (the MTP module's
+    pass over every token, the draft model's), the alternative to verifying for a sequence
+    that speculates, and plain ones (no such work), the alternative to speculating at all.
 
-    def __init__(self, probe_every: int = 16, smoothing: float = 0.2, max_probe_every: int = 128):
+    Step by step (`open`): a verify step pays when it emits more tokens per second than a
+    decode step: emitted / t_verify >= 1 / t_decode. Until both times are known it measures
+    them (a decode step first, then verify steps). Both estimates stay fresh: while
+    speculation pays, every `probe_every`-th step is a decode one (re-timing it); while it does
+    not, a probe still verifies after `probe_every` steps off, so a change in acceptance or in
+    the batch turns it back on, and each probe that finds it still not paying doubles the
+    wait, up to `max_probe_every`.
+
+    Per request (`admits`): whether a request admitted into a batch of S sequences speculates
+    at all, against plain decode steps: until verify steps at S are timed, it does; then,
+    until plain decode steps at S are timed, it does not; then it does where verify steps pay
+    against plain ones, and otherwise every `wait`-th admission still does (a probe), the wait
+    doubling as above."""
+
+    def __init__(self, probe_every: int = 16, smoothing: float = 0.2, max_probe_every: int = 128, window: int = 5):
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
         self.smoothing = smoothing
-        self.decode_seconds: dict[int, float] = {}
-        self.verify_seconds: dict[int, float] = {}
-        self.emitted_per_seq: float | None = None  # tokens a verify step emits per sequence (bonus included)
+        self.window = window
+        # The last `window` step times per bucket: decode steps doing the method's work, plain ones, verify steps.
+        self.decode_seconds: dict[int, collections.deque[float]] = {}
+        self.plain_seconds: dict[int, collections.deque[float]] = {}
+        self.verify_seconds: dict[int, collections.deque[float]] = {}
+        self.emitted_per_seq: float | None = None  # tokens a verify step emits per drafting sequence (bonus included)
         self.steps_on = 0  # steps since speculation last turned on
         self.steps_off = 0  # steps since it last turned off or probed
         self.wait = probe_every  # steps off before the next probe
-        self.retiming = False  # the last `open` said no to re-time a plain decode step
+        self.retiming = False  # the last `open` said no to re-time a decode step
+        self.admitted_off: dict[int, int] = {}  # per bucket: admissions without speculation since the last probe
+        self.admission_wait: dict[int, int] = {}  # per bucket: admissions off before the next probe
+
+    def _verify_pays(self, num_seqs: int, decode: float) -> bool:
+        return self.emitted_per_seq * decode >= statistics.median(self.verify_seconds[num_seqs])
 
     def pays(self, num_seqs: int) -> bool:
-        """Whether verify steps of `num_seqs` sequences pay, or are not timed yet."""
-        decode, verify = self.decode_seconds[num_seqs], self.verify_seconds.get(num_seqs)
-        return verify is None or self.emitted_per_seq * decode >= verify
+        """Whether verify steps of `num_seqs` sequences pay (against decode steps that do the
+        method's work, else plain ones), or are not timed yet."""
+        decode = self.decode_seconds.get(num_seqs) or self.plain_seconds.get(num_seqs)
+        if num_seqs not in self.verify_seconds or not decode:
+            return True
+        return self._verify_pays(num_seqs, statistics.median(decode))
+
+    def admits(self, num_seqs: int) -> bool:
+        """Whether a request admitted into a batch of `num_seqs` (bucketed) sequences speculates."""
+        if num_seqs not in self.verify_seconds:
+            return True
+        if num_seqs not in self.plain_seconds:
+            return False
+        if self._verify_pays(num_seqs, statistics.median(self.plain_seconds[num_seqs])):
+            self.admitted_off[num_seqs], self.admission_wait[num_seqs] = 0, self.probe_every
+            return True
+        off = self.admitted_off.get(num_seqs, 0) + 1
+        wait = self.admission_wait.get(num_seqs, self.probe_every)
+        if off < wait:
+            self.admitted_off[num_seqs] = off
+            return False
+        self.admitted_off[num_seqs], self.admission_wait[num_seqs] = 0, min(2 * wait, self.max_probe_every)
+        return True
 
     def open(self, num_seqs: int) -> bool:
         """Whether the next step of `num_seqs` (bucketed) sequences should draft."""
         opened = self._decide(num_seqs, commit=True)
-        self.retiming = not opened and num_seqs in self.decode_seconds and self.pays(num_seqs)
+        self.retiming = not opened and self._timed(num_seqs) and self.pays(num_seqs)
         return opened
 
     def may_open_next(self, num_seqs: int) -> bool:
@@ -152,8 +195,11 @@ class SpeculationGate:
         step ahead, as the MTP module's: steps that do not draft are the decode steps timed)."""
         return self._decide(num_seqs, commit=False)
 
+    def _timed(self, num_seqs: int) -> bool:
+        return num_seqs in self.decode_seconds or num_seqs in self.plain_seconds
+
     def _decide(self, num_seqs: int, commit: bool) -> bool:
-        if num_seqs not in self.decode_seconds:
+        if not self._timed(num_seqs):
             return False
         if self.pays(num_seqs):
             on = self.steps_on + 1
@@ -169,15 +215,15 @@ class SpeculationGate:
             self.steps_on, self.steps_off, self.wait = 0, 0, min(2 * self.wait, self.max_probe_every)
         return True
 
-    def record_decode(self, num_seqs: int, seconds: float) -> None:
-        self.decode_seconds[num_seqs] = self._mean(self.decode_seconds.get(num_seqs), seconds)
+    def record_decode(self, num_seqs: int, seconds: float, plain: bool = True) -> None:
+        """A decode step's time; `plain`: it did none of the method's work."""
+        times = self.plain_seconds if plain else self.decode_seconds
+        times.setdefault(num_seqs, collections.deque(maxlen=self.window)).append(seconds)
 
     def record_verify(self, num_seqs: int, seconds: float, emitted_per_seq: float) -> None:
-        self.verify_seconds[num_seqs] = self._mean(self.verify_seconds.get(num_seqs), seconds)
-        self.emitted_per_seq = self._mean(self.emitted_per_seq, emitted_per_seq)
-
-    def _mean(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
+        self.verify_seconds.setdefault(num_seqs, collections.deque(maxlen=self.window)).append(seconds)
+        old = self.emitted_per_seq
+        self.emitted_per_seq = emitted_per_seq if old is None else old + self.smoothing * (emitted_per_seq - old)
 
 
 @dataclasses.dataclass
@@ -185,6 +231,8 @@ class SpecStats:
     """Counters since start: how many verify rows drafted each position and how many kept it."""
 
     num_speculative_tokens: int
+    requests_speculating: int = 0  # admissions that speculate
+    requests_not_speculating: int = 0  # admissions that do not (the gate, or a hit without the draft's state)
     verifies: int = 0  # sequence-steps that verified at least one draft
     draft_seconds: float = 0.0  # host time proposing
     verify_seconds: float = 0.0  # time of the steps that verified drafts
@@ -204,6 +252,8 @@ class SpecStats:
     def as_dict(self) -> dict:
         drafted, accepted = sum(self.drafted), sum(self.accepted)
         return {
+            "spec_requests_speculating": self.requests_speculating,
+            "spec_requests_not_speculating": self.requests_not_speculating,
             "spec_verifies": self.verifies,
             "spec_draft_tokens": drafted,
             "spec_accepted_tokens": accepted,

@@ -17,10 +17,12 @@ predicts token t + 2. Drafting k tokens after a step: the first from g at each s
 accepted position; each next one by running the layer at the following position on its own
 output g and the draft it just made (one token per sequence), as vLLM does.
 
-Every step runs the module over all its tokens, whether it drafts or not, so every computed
-position has its MTP KV entry: the token after each is known to the host (`following_ids`)
-or is the step's own sample there (at a verify step's rows the sample equals the draft
-wherever the draft was accepted, and is the target's correction at the first rejection).
+Every step with a sequence that speculates runs the module over all its tokens, whether it
+drafts or not, so every position a speculating sequence computes has its MTP KV entry: the
+token after each is known to the host (`following_ids`) or is the step's own sample there
+(at a verify step's rows the sample equals the draft wherever the draft was accepted, and
+is the target's correction at the first rejection). A step where no sequence speculates (the
+engine admits requests without speculation where it does not pay) skips the module.
 """
 
 import dataclasses
@@ -81,12 +83,14 @@ def last_accepted_rows(batch: StepBatch, sample_rows: jax.Array, num_drafts: jax
 
 def mtp_drafts(
     model, pools: Pools, batch: StepBatch, sample_rows: jax.Array, num_drafts: jax.Array, following_ids: jax.Array,
-    wants_drafts: jax.Array, hidden: jax.Array, sampled: jax.Array, last: jax.Array, choose: DraftChooser,
+    wants_drafts: jax.Array, speculates: jax.Array, hidden: jax.Array, sampled: jax.Array, last: jax.Array,
+    choose: DraftChooser,
     num_speculative_tokens: int, ops: KernelOps,
 ) -> tuple[jax.Array, Pools]:
-    """Runs the MTP module over the step's tokens and, when some sequence `wants_drafts` [S],
-    drafts `num_speculative_tokens` tokens per sequence after its last accepted one, each
-    picked by `choose` from the module's logits.
+    """Runs the MTP module over the step's tokens when some sequence `speculates` [S] and,
+    when some sequence `wants_drafts` [S] (only speculating ones do), drafts
+    `num_speculative_tokens` tokens per sequence after its last accepted one, each picked by
+    `choose` from the module's logits.
 
     hidden [T, D]: the target's final hidden states; sampled [S, W]: the step's samples;
     last [S]: each sequence's last accepted sample row (`last_accepted_rows`);
@@ -94,10 +98,10 @@ def mtp_drafts(
     Returns drafts [S, k] int32 (zeros when none is wanted) and the pools with the MTP
     layer's KV entries written.
 
-    The pass over the step's tokens always runs, so every computed position has its entry
-    for whenever drafting resumes; the drafting runs only when wanted (under `lax.cond`s).
-    The KV writes stay outside the conditionals (to the null slot when not drafting): XLA
-    copies pages a branch returns."""
+    The pass over the step's tokens runs whenever a sequence speculates, so every position it
+    computes has its entry for whenever drafting resumes; the drafting runs only when wanted.
+    Both are `lax.cond`s. The KV writes stay outside the conditionals (to the null slot when
+    not run): XLA copies pages a branch returns."""
     cfg = model.cfg
     store = pools.store_arrays()
     kv = 2 * cfg.num_attention_layers  # the MTP layer's K and V pages: store[kv], store[kv + 1]
@@ -105,16 +109,20 @@ def mtp_drafts(
     num_tokens = batch.input_ids.shape[0]
     num_seqs, width = sampled.shape
     wanted = jnp.any(wants_drafts)
+    runs = jnp.any(speculates)
 
     def when(fn, *args):
         return _when(wanted, fn, *args)
+
+    def when_runs(fn, *args):
+        return _when(runs, fn, *args)
 
     used = jnp.arange(width)[None, :] >= (width - 1 - num_drafts)[:, None]  # [S, W]: rows of real tokens
     own = jnp.zeros(num_tokens, jnp.int32).at[jnp.where(used, sample_rows, num_tokens)].set(sampled, mode="drop")
     following = jnp.where(following_ids >= 0, following_ids, own)  # [T]
     layout = token_layout(batch, page_size)
-    g = _layer_pass(model, following, hidden, layout.positions, layout.slot_mapping, batch, store, kv, ops,
-                    _call)  # [T, D]
+    slots = jnp.where(runs, layout.slot_mapping, 0)  # [T]; not run: the null slot
+    g = _layer_pass(model, following, hidden, layout.positions, slots, batch, store, kv, ops, when_runs)  # [T, D]
 
     row = jnp.take_along_axis(sample_rows, last[:, None], axis=1)[:, 0]  # [S] flat token index
     g = g[row]  # [S, D]
@@ -142,7 +150,7 @@ def _layer_pass(model, ids: jax.Array, hidden: jax.Array, positions: jax.Array, 
                 store: list[jax.Array], kv: int, ops: KernelOps, when) -> jax.Array:
     """The module over tokens `ids` [N] after hidden states `hidden` [N, D] at `positions`,
     writing their K/V to `slots` of store[kv], store[kv + 1] (in place in `store`) -> g [N, D].
-    `when(fn, *args)` runs the compute (`_call`, or under a condition)."""
+    `when(fn, *args)` runs the compute under a condition."""
     mtp, layer = model.mtp, model.mtp.layers[0]
 
     def project(ids, hidden, positions):
@@ -155,10 +163,6 @@ def _layer_pass(model, ids: jax.Array, hidden: jax.Array, positions: jax.Array, 
     x, q, gate, k, v = when(project, ids, hidden, positions)
     store[kv], store[kv + 1] = ops.write_kv_pages(store[kv], store[kv + 1], k, v, slots)
     return when(finish, x, q, gate, store[kv], store[kv + 1], batch)
-
-
-def _call(fn, *args):
-    return fn(*args)
 
 
 def _when(flag: jax.Array, fn, *args):

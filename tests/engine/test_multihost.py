@@ -1,6 +1,7 @@
 """Many hosts on one machine: `jaxengine run` as two processes on 127.0.0.1, one CPU device each,
 joined by distributed_init_addr / num_nodes / node_rank into one tensor-parallel engine — the
-README's two-host command — and how a process that cannot reach the other, or loses it, stops."""
+README's two-host command — that gives transformers' greedy tokens, and how a process that
+cannot reach the other, or loses it, stops."""
 
 import json
 import os
@@ -14,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jaxengine import LLM, SamplingParams
 from tests.engine.conftest import ENGINE_ARGS
+from tests.models.tiny_models import hf_greedy
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = list(range(40, 64))  # a prefix the second and third prompts share: a prefix hit
@@ -38,7 +39,7 @@ def _config(tmp_path: Path, model: Path, **engine) -> Path:
         "model": str(model),
         "engine": {**ARGS, "compilation_cache_dir": None, "tensor_parallel_size": 2,
                    "distributed_init_addr": f"127.0.0.1:{_free_port()}", "num_nodes": 2, **engine},
-        "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0},
+        "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},
         "input": str(prompts),
         "output": str(tmp_path / "outputs.jsonl"),
         "metrics": str(tmp_path / "metrics.json"),
@@ -68,17 +69,14 @@ def _finish(process: subprocess.Popen, timeout: float = 300) -> tuple[int, str, 
 
 
 def test_two_processes_give_the_tokens_of_one(tmp_path, tiny_models):
-    model = tiny_models["bamba"][0]
+    model, hf_model = tiny_models["bamba"]
     config = _config(tmp_path, model)
     leader, follower = _start(config, 0), _start(config, 1)
     (rc0, _, err0), (rc1, out1, err1) = _finish(leader), _finish(follower)
     assert rc0 == 0, err0
     assert rc1 == 0, err1
     records = [json.loads(line) for line in (tmp_path / "outputs.jsonl").read_text().splitlines()]
-    llm = LLM(model, **ARGS)  # one process, one device
-    want = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
-                        use_tqdm=False)
-    assert [r["token_ids"] for r in records] == [w.outputs[0].token_ids for w in want]
+    assert [r["token_ids"] for r in records] == [hf_greedy(hf_model, p, MAX_TOKENS) for p in PROMPTS]
     assert records[2]["num_cached_tokens"] > 0  # the shared prefix hit on process 0's cache
     steps = int(out1.split("ran process 0's ")[1].split()[0])
     assert steps >= MAX_TOKENS

@@ -44,6 +44,7 @@ def _batch(n: int, **overrides) -> SamplingBatch:
         next_ids=np.full(n, -1, np.int32),
         following_ids=np.full(n, -1, np.int32),
         wants_drafts=np.zeros(n, bool),
+        speculates=np.zeros(n, bool),
     )
     for key, value in overrides.items():
         fields[key] = np.asarray(value, dtype=fields[key].dtype)

@@ -261,6 +261,40 @@ def test_the_gate_drafts_only_while_verify_steps_emit_more_tokens_per_second_tha
     assert not gate.open(16)
 
 
+def test_one_slow_step_does_not_keep_the_gate_on():
+    """The first run of a step's executable, or a pause of the host, can take several times a
+    step's usual time; after a few more steps the gate decides on the usual times."""
+    gate = SpeculationGate(probe_every=4, max_probe_every=8)
+    gate.record_decode(16, 0.050)  # a first run: 5x the usual decode step
+    for _ in range(3):
+        gate.record_verify(16, 0.025, emitted_per_seq=2.0)  # 80 tokens/s per sequence
+    assert gate.pays(16)  # against the one slow decode step it seems to
+    gate.record_decode(16, 0.010)  # the usual decode step: 100 tokens/s per sequence
+    gate.record_decode(16, 0.010)
+    assert not gate.pays(16)
+    assert not gate.open(16)
+
+
+def test_the_gate_admits_requests_to_speculate_only_where_verify_steps_beat_plain_decode_steps():
+    """Per request (the MTP method): speculate until verify steps are timed, then not until
+    plain decode steps (no MTP pass) are timed, then where verify steps emit more tokens per
+    second than plain decode steps, else only every `wait`-th admission (a probe)."""
+    gate = SpeculationGate(probe_every=2, max_probe_every=4)
+    assert gate.admits(16)  # nothing timed: speculate, to time verify steps
+    gate.record_decode(16, 0.010, plain=False)  # a decode step with the MTP pass
+    gate.record_verify(16, 0.020, emitted_per_seq=2.2)  # 110 tokens/s per sequence against 100: pays
+    assert gate.pays(16)
+    assert not gate.admits(16)  # plain decode steps not timed yet: admit without, to time them
+    gate.record_decode(16, 0.008, plain=True)  # 125 tokens/s per sequence: speculating does not pay
+    assert gate.pays(16)  # for a sequence that speculates already (it pays the pass anyway)
+    admitted = [gate.admits(16) for _ in range(9)]
+    assert [i for i, a in enumerate(admitted) if a] == [1, 5]  # probes after 2 admissions off, then 4
+    gate.record_verify(16, 0.012, emitted_per_seq=2.2)  # verify steps got cheaper: 183 tokens/s
+    gate.record_verify(16, 0.012, emitted_per_seq=2.2)
+    assert all(gate.admits(16) for _ in range(3))
+    assert gate.admits(4)  # another batch size is timed on its own
+
+
 def test_adaptive_is_on_by_default_and_must_be_a_bool():
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}, 64).adaptive
     with pytest.raises(ValueError, match="speculative_config.adaptive"):
