@@ -209,11 +209,10 @@ class Scheduler:
         seq.prefill_boundary = (len(seq.tokens) // self.page_size) * self.page_size
         if slots is not None:
             seq.owned_slots, seq.read_slot = slots, slots[0]
-        hit_blocks = seq.pages[: match.hit_pages] + (match.checkpoint.blocks if match.checkpoint is not None else [])
-        has_draft_state = self.without_draft_state.isdisjoint(hit_blocks)
         if self.speculates is not None:  # (`seq` is still among the waiting)
+            hit_blocks = seq.pages[: match.hit_pages] + (match.checkpoint.blocks if match.checkpoint else [])
             load = min(self.max_num_seqs, len(self.running) + len(self.waiting))
-            seq.speculates = self.speculates(load, has_draft_state)
+            seq.speculates = self.speculates(load, self.without_draft_state.isdisjoint(hit_blocks))
         if match.checkpoint is not None:
             seq.restore = match.checkpoint
             if continues:  # superseded once this sequence checkpoints past it
