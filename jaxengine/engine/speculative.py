@@ -113,13 +113,41 @@ def accept(drafts: list[int], sampled: list[int]) -> list[int]:
     return drafts[:n] + [sampled[n]]
 
 
+@dataclasses.dataclass
+class ProbeBackoff:
+    """When to try again something that does not pay: every `wait`-th call of `due` says yes,
+    each yes doubling the wait (from `first` up to `longest`); `reset` once it pays."""
+
+    first: int
+    longest: int
+    count: int = 0  # calls since the last yes or reset
+    wait: int = 0
+
+    def __post_init__(self):
+        self.wait = self.first
+
+    def reset(self) -> None:
+        self.count, self.wait = 0, self.first
+
+    def due(self, commit: bool = True) -> bool:
+        """Whether this call is a probe; `commit=False` only predicts it."""
+        count = self.count + 1
+        if count < self.wait:
+            if commit:
+                self.count = count
+            return False
+        if commit:
+            self.count, self.wait = 0, min(2 * self.wait, self.longest)
+        return True
+
+
 class SpeculationGate:
     """Decides whether drafting pays at the current batch size: step by step, and for the MTP
     method also per request as it is admitted.
 
     It keeps, per sequence bucket S, the seconds of the last `window` decode steps and verify
-    steps run (whole steps: scheduling, the device's work and the host's), and the mean tokens a verify step emits per drafting sequence (an exponential
-    average). Times are taken as the median of their window, so one slow step (the first run
+    steps run (whole steps: scheduling, the device's work and the host's), and the mean tokens
+    a verify step emits per drafting sequence (an exponential average). Times are taken as the median of their window, so one slow step (the first run
     of an executable, a pause of the host) does not decide for long. Decode steps come in two
     kinds: those that do the method's own work for speculating sequences (the MTP module's
     pass over every token, the draft model's), the alternative to verifying for a sequence
@@ -150,11 +178,9 @@ class SpeculationGate:
         self.verify_seconds: dict[int, collections.deque[float]] = {}
         self.emitted_per_seq: float | None = None  # tokens a verify step emits per drafting sequence (bonus included)
         self.steps_on = 0  # steps since speculation last turned on
-        self.steps_off = 0  # steps since it last turned off or probed
-        self.wait = probe_every  # steps off before the next probe
+        self.steps_off = ProbeBackoff(probe_every, max_probe_every)  # steps off: when the next verifies
         self.retiming = False  # the last `open` said no to re-time a decode step
-        self.admitted_off: dict[int, int] = {}  # per bucket: admissions without speculation since the last probe
-        self.admission_wait: dict[int, int] = {}  # per bucket: admissions off before the next probe
+        self.admissions_off: dict[int, ProbeBackoff] = {}  # per bucket: when the next turned-away request speculates
 
     def _verify_pays(self, num_seqs: int, decode: float) -> bool:
         return self.emitted_per_seq * decode >= statistics.median(self.verify_seconds[num_seqs])
@@ -173,16 +199,11 @@ class SpeculationGate:
             return True
         if num_seqs not in self.plain_seconds:
             return False
+        off = self.admissions_off.setdefault(num_seqs, ProbeBackoff(self.probe_every, self.max_probe_every))
         if self._verify_pays(num_seqs, statistics.median(self.plain_seconds[num_seqs])):
-            self.admitted_off[num_seqs], self.admission_wait[num_seqs] = 0, self.probe_every
+            off.reset()
             return True
-        off = self.admitted_off.get(num_seqs, 0) + 1
-        wait = self.admission_wait.get(num_seqs, self.probe_every)
-        if off < wait:
-            self.admitted_off[num_seqs] = off
-            return False
-        self.admitted_off[num_seqs], self.admission_wait[num_seqs] = 0, min(2 * wait, self.max_probe_every)
-        return True
+        return off.due()
 
     def open(self, num_seqs: int) -> bool:
         """Whether the next step of `num_seqs` (bucketed) sequences should draft."""
@@ -204,16 +225,13 @@ class SpeculationGate:
         if self.pays(num_seqs):
             on = self.steps_on + 1
             if commit:
-                self.steps_on, self.steps_off, self.wait = on, 0, self.probe_every
+                self.steps_on = on
+                self.steps_off.reset()
             return on % self.probe_every != 0
-        off = self.steps_off + 1
-        if off < self.wait:
-            if commit:
-                self.steps_off = off
-            return False
-        if commit:
-            self.steps_on, self.steps_off, self.wait = 0, 0, min(2 * self.wait, self.max_probe_every)
-        return True
+        probe = self.steps_off.due(commit)
+        if probe and commit:
+            self.steps_on = 0
+        return probe
 
     def record_decode(self, num_seqs: int, seconds: float, plain: bool = True) -> None:
         """A decode step's time; `plain`: it did none of the method's work."""

@@ -26,6 +26,7 @@ engine admits requests without speculation where it does not pay) skips the modu
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -84,8 +85,7 @@ def last_accepted_rows(batch: StepBatch, sample_rows: jax.Array, num_drafts: jax
 def mtp_drafts(
     model, pools: Pools, batch: StepBatch, sample_rows: jax.Array, num_drafts: jax.Array, following_ids: jax.Array,
     wants_drafts: jax.Array, speculates: jax.Array, hidden: jax.Array, sampled: jax.Array, last: jax.Array,
-    choose: DraftChooser,
-    num_speculative_tokens: int, ops: KernelOps,
+    choose: DraftChooser, num_speculative_tokens: int, ops: KernelOps,
 ) -> tuple[jax.Array, Pools]:
     """Runs the MTP module over the step's tokens when some sequence `speculates` [S] and,
     when some sequence `wants_drafts` [S] (only speculating ones do), drafts
@@ -110,12 +110,7 @@ def mtp_drafts(
     num_seqs, width = sampled.shape
     wanted = jnp.any(wants_drafts)
     runs = jnp.any(speculates)
-
-    def when(fn, *args):
-        return _when(wanted, fn, *args)
-
-    def when_runs(fn, *args):
-        return _when(runs, fn, *args)
+    when, when_runs = functools.partial(_when, wanted), functools.partial(_when, runs)
 
     used = jnp.arange(width)[None, :] >= (width - 1 - num_drafts)[:, None]  # [S, W]: rows of real tokens
     own = jnp.zeros(num_tokens, jnp.int32).at[jnp.where(used, sample_rows, num_tokens)].set(sampled, mode="drop")
