@@ -1,7 +1,12 @@
 """One-command device check of the GPU kernels and the engine on one CUDA GPU.
 
-Usage (from the repository root; under 8 minutes on one H200, compile times included):
-  python scripts/device_check.py [--quick] [--parts kernels,engine] [--json device_check.json] [--budget-s 420]
+Usage (from the repository root):
+  python scripts/device_check.py [--quick] [--parts kernels,engine,verify] [--json device_check.json] [--budget-s 420]
+
+On one H200 (2026-12-04) the kernels took about 2 minutes and each engine of part 3 about
+3 minutes, mostly compiling its step shapes; the whole check does not fit in one
+10-minute run, so run the parts in separate runs (`--parts kernels,engine`, then
+`--parts verify`).
 
 What it measures:
   1. Roofline: HBM bandwidth (best of several `a * 2` passes over a 2 GiB float32 array,
@@ -45,7 +50,7 @@ What it measures:
      the model's heads split over (tensor parallelism): the share of first greedy tokens
      that differ from one device's (at most 25%, as below) and both decode rates;
      "skipped (one device)" otherwise.
-  4. Verify steps (speculative decoding): the same model with kernels="auto" and
+  4. Verify steps (`verify`; speculative decoding): the same model with kernels="auto" and
      `speculative_config` ngram k = 3 drafting at every step, decoding the 64 x 32-token
      batch on prompts that repeat an 8-token pattern, with drafts (verify steps) and
      without (plain decode steps), alternating; output tokens/s of each, acceptance, and
@@ -103,7 +108,7 @@ from pallas_kernels.selective_scan.reference import ragged_selective_scan
 from pallas_kernels.ssd import kernel_gpu as ssd_gpu
 from pallas_kernels.ssd.reference import RaggedScanOutput, ragged_ssd_scan
 
-PARTS = ("kernels", "engine")
+PARTS = ("kernels", "engine", "verify")
 SKIPPED = "skipped (time)"
 ATTENTION_TOL = 2.0**-6  # x max|v|, and v is uniform in [-1, 1]
 Q_SCALE = 3.0  # query scale: score std 3, so a few keys dominate each softmax
@@ -271,7 +276,7 @@ def full_plan() -> Plan:
         ),
         kernel_case_s=30,
         engine_build_s=30,
-        engine_mode_s=120,
+        engine_mode_s=200,
     )
 
 
@@ -1059,47 +1064,63 @@ def engine_report(
     return rows
 
 
-def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, interpret: bool) -> list[Row]:
+def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, interpret: bool,
+                parts: Sequence[str]) -> list[Row]:
+    """The engine's rows (`engine` in `parts`: decode, prefill, first tokens, tensor
+    parallel) and the verify rows (`verify`), all on one random model."""
     spec = plan.engine
-    methods = ("ngram", "draft_model")
+    methods = ("ngram", "draft_model") if "verify" in parts else ()
+    measure = "engine" in parts
     if not deadline.allows(plan.engine_build_s + plan.engine_mode_s):
-        skipped = engine_report(spec, ModelSizes(0, 0, 0, 0), {"auto": SKIPPED, "reference": SKIPPED}, roofline)
-        return [*skipped, Row("engine", "engine tensor parallel", SKIPPED),
-                *(Row("engine", verify_name(m, spec), SKIPPED) for m in methods)]
+        skipped = []
+        if measure:
+            skipped = engine_report(spec, ModelSizes(0, 0, 0, 0), {"auto": SKIPPED, "reference": SKIPPED}, roofline)
+            skipped.append(Row("engine", "engine tensor parallel", SKIPPED))
+        return [*skipped, *(Row("engine", verify_name(m, spec), SKIPPED) for m in methods)]
     modes = {"auto": "pallas-interpret-gpu" if interpret else "auto", "reference": "reference"}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
         sizes = build_random_bamba(model_dir, spec)
         log(deadline, f"random Bamba saved: {sizes.parameters / 1e6:,.1f}M parameters")
-        runs: dict[str, EngineRun | str] = {}
-        for label, kernels in modes.items():
-            if not deadline.allows(plan.engine_mode_s):
-                runs[label] = SKIPPED
-                continue
-            try:
-                runs[label] = run_engine(model_dir, kernels, spec)
-            except Exception as e:  # report it, and still run the other mode
-                traceback.print_exc()
-                runs[label] = error_status(e)
-            gc.collect()  # frees the model and pools before the next mode
-            status = runs[label] if isinstance(runs[label], str) else "done"
-            log(deadline, f"engine kernels={kernels}: {status}")
-        rows = engine_report(spec, sizes, runs, roofline)
-        if deadline.allows(plan.engine_mode_s):
-            # Interpreted, the GPU kernels cannot run on several CPU devices at once (the
-            # interpreter's shared memory is not per device): the references run under tp there.
-            tp_mode = "reference" if interpret else "auto"
-            rows += guarded("engine", "engine tensor parallel", tensor_parallel_row, model_dir, modes[tp_mode], spec,
-                            runs[tp_mode])
-            gc.collect()
-        else:
-            rows.append(Row("engine", "engine tensor parallel", SKIPPED))
+        rows = measured_engine_rows(plan, model_dir, sizes, modes, roofline, deadline) if measure else []
         for method in methods:
             if deadline.allows(plan.engine_mode_s):
                 rows += guarded("engine", verify_name(method, spec), verify_row, model_dir, modes["auto"], spec, method)
                 gc.collect()
             else:
                 rows.append(Row("engine", verify_name(method, spec), SKIPPED))
+            log(deadline, f"{verify_name(method, spec)}: {rows[-1].status}")
+    return rows
+
+
+def measured_engine_rows(plan: Plan, model_dir: Path, sizes: ModelSizes, modes: dict[str, str],
+                         roofline: Roofline | None, deadline: Deadline) -> list[Row]:
+    """Decode and prefill in both kernel modes, their first tokens compared, and the
+    tensor-parallel row."""
+    spec = plan.engine
+    runs: dict[str, EngineRun | str] = {}
+    for label, kernels in modes.items():
+        if not deadline.allows(plan.engine_mode_s):
+            runs[label] = SKIPPED
+            continue
+        try:
+            runs[label] = run_engine(model_dir, kernels, spec)
+        except Exception as e:  # report it, and still run the other mode
+            traceback.print_exc()
+            runs[label] = error_status(e)
+        gc.collect()  # frees the model and pools before the next mode
+        status = runs[label] if isinstance(runs[label], str) else "done"
+        log(deadline, f"engine kernels={kernels}: {status}")
+    rows = engine_report(spec, sizes, runs, roofline)
+    if deadline.allows(plan.engine_mode_s):
+        # Interpreted, the GPU kernels cannot run on several CPU devices at once (the
+        # interpreter's shared memory is not per device): the references run under tp there.
+        tp_mode = "reference" if modes["auto"] != "auto" else "auto"
+        rows += guarded("engine", "engine tensor parallel", tensor_parallel_row, model_dir, modes[tp_mode], spec,
+                        runs[tp_mode])
+        gc.collect()
+    else:
+        rows.append(Row("engine", "engine tensor parallel", SKIPPED))
     return rows
 
 
@@ -1162,8 +1183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(deadline, f"roofline: {roofline_rows[0].note or roofline_rows[0].status}")
     if "kernels" in args.parts:
         rows += kernel_rows(plan, roofline, deadline, interpret)
-    if "engine" in args.parts:
-        rows += guarded("engine", "engine", engine_rows, plan, roofline, deadline, interpret)
+    if {"engine", "verify"} & set(args.parts):
+        rows += guarded("engine", "engine", engine_rows, plan, roofline, deadline, interpret, args.parts)
     passed = not any(r.status == "fail" or r.status.startswith("error") for r in rows)
     report = {
         "device": device.device_kind,

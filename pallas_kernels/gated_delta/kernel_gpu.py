@@ -15,9 +15,9 @@ from v_t[j] alone. So one CTA (one warpgroup) takes one (sequence, value head, 6
 columns): grid (S, H_v, d_v / 64), the CTAs of empty sequences doing nothing. It carries its
 slice of the state transposed, S^T [64, d_k] float32, in registers in the WGMMA layout (each
 row's d_k entries on the four lanes of one warp, so sums over d_k stay within a warp), and
-walks its sequence's tokens in 64-token tiles that start at the sequence's first flat token
-(TMA copies to shared memory), one token at a time. With a = exp(g_t), b = beta_t and the
-state before the token:
+walks the 64-token tiles of the flat token axis that its sequence touches (aligned TMA copies
+to shared memory), one of its tokens at a time. With a = exp(g_t), b = beta_t and the state
+before the token:
     Sk = S^T k_t,  Sq = S^T q_t                  [64] sums over d_k, both from the old state
     delta = b (v_t - a Sk)                       [64]
     o_t = a Sq + (k_t . q_t) delta               (= the new state's S^T q_t)
@@ -25,9 +25,11 @@ state before the token:
     chunk_states[r] <- S                         at the last token of row r
 so the token's two reductions do not wait for its update. XLA computes exp(g), q scaled and
 k . q per token beforehand, and transposes the initial states in and the row states out
-(the kernel holds S^T). A tile holding only the sequence's tokens is stored whole; the
-sequence's last, partial tile one token at a time, since the tokens after it are another
-sequence's, which other CTAs write.
+(the kernel holds S^T). Outputs are stored a whole tile at a time into a buffer where
+sequence s's token t sits at row t + 64 s: a tile shared by two sequences of the flat axis
+is two tiles there, so no CTA overwrites another's tokens, and XLA gathers o back. Tiles
+stay aligned to the flat axis: on an H200, TMA loads of a tile starting at a sequence's
+first token, mid-tile, stopped the kernel with an illegal instruction.
 
 Numerics: float32 throughout, as the reference (bfloat16 inputs are upcast first).
 
@@ -74,12 +76,12 @@ def _swizzled_smem(shape: tuple[int, int]) -> plgpu.SMEM:
 def _scan_kernel(
     seq_ref,  # [2, S] int32: each sequence's first flat token, and its length
     row_end_ref,  # [Tp] int32: the row a token is the last of, else -1
-    q_ref,  # [Tp, H_k, d_k] float32, scaled  (Tp: T plus at least one tile, zero padded)
+    q_ref,  # [Tp, H_k, d_k] float32, scaled  (Tp: T rounded up to whole tiles, zero padded)
     k_ref,  # [Tp, H_k, d_k] float32
     v_ref,  # [Tp, H_v, d_v] float32
     scalars_ref,  # [H_v, 3, Tp] float32: exp(g), beta, k . q
     init_ref,  # [S, H_v, d_v, d_k] float32: initial states, transposed
-    o_ref,  # [Tp, H_v, d_v] float32 (output); rows of padding tokens are left unwritten
+    o_ref,  # [Tp + 64 S, H_v, d_v] float32 (output): token t of sequence s at row t + 64 s
     states_ref,  # [R, H_v, d_v, d_k] float32 (output): state after each used row, transposed
     *,
     heads_per_key: int,
@@ -98,14 +100,13 @@ def _scan_kernel(
         fetch = functools.partial(mosaic_gpu.fetch, barriers)
 
         def tile(i, state):
-            first = start + i * TILE
+            first = pl.multiple_of(i * TILE, TILE)
             span = pl.ds(first, TILE)
             fetch(
                 (q_ref.at[span, key_head], q_land), (k_ref.at[span, key_head], k_land),
                 (v_ref.at[span, head, cols], v_land), (scalars_ref.at[head, :, span], scalars_land),
                 (row_end_ref.at[span], row_end_land),
             )  # fmt: skip
-            count = jnp.minimum(length - i * TILE, TILE)  # the sequence's tokens in this tile
 
             def token(j, state):
                 k = lax.broadcast_in_dim(layout(k_land[j], _PER_COL), (SLICE, key_dim), [1])
@@ -125,28 +126,17 @@ def _scan_kernel(
 
                 return state
 
-            state = lax.fori_loop(0, count, token, state)
-
-            @pl.when(count == TILE)
-            def _():
-                mosaic_gpu.store(o_land, o_ref.at[span, head, cols])
-
-            @pl.when(count < TILE)  # the sequence's last tile: the next tokens are not ours
-            def _():
-                plgpu.commit_smem()
-
-                @pl.loop(0, count)
-                def _(j):
-                    plgpu.copy_smem_to_gmem(o_land.at[pl.ds(j, 1)], o_ref.at[pl.ds(first + j, 1), head, cols])
-
-                plgpu.wait_smem_to_gmem(0)
-
+            # This sequence's tokens in the tile; the other rows of o_land are not stored as ours.
+            lo, hi = jnp.maximum(start - first, 0), jnp.minimum(start + length - first, TILE)
+            state = lax.fori_loop(lo, hi, token, state)
+            mosaic_gpu.store(o_land, o_ref.at[pl.ds(pl.multiple_of(first + seq * TILE, TILE), TILE), head, cols])
             return state
 
         @pl.when(length > 0)
         def _():
             fetch((init_ref.at[seq, head, cols], s_land))
-            lax.fori_loop(0, lax.div(length + TILE - 1, TILE), tile, layout(s_land[...], _WGMMA))
+            tiles = (lax.div(start, TILE), lax.div(start + length - 1, TILE) + 1)
+            lax.fori_loop(*tiles, tile, layout(s_land[...], _WGMMA))
 
     pl.run_scoped(
         body,
@@ -189,7 +179,7 @@ def ragged_gated_delta(
 
     rows = ragged.scan_rows(cu_seqlens, start_pos, num_tokens, chunk_size)
     num_rows = rows.chunk_seq.shape[0]
-    padded = (pl.cdiv(num_tokens, TILE) + 1) * TILE  # a tile may start at any token
+    padded = pl.cdiv(num_tokens, TILE) * TILE
     cu = cu_seqlens.astype(jnp.int32)
     last_token = jnp.where(rows.row_len > 0, rows.row_start + rows.row_len - 1, padded)  # unused rows: dropped
     row_end = jnp.full((padded,), -1, jnp.int32).at[last_token].set(jnp.arange(num_rows, dtype=jnp.int32), mode="drop")
@@ -205,21 +195,22 @@ def ragged_gated_delta(
     kernel = plgpu.kernel(
         functools.partial(_scan_kernel, heads_per_key=num_heads // num_key_heads, key_dim=key_dim, interpret=interpret),
         out_type=(
-            jax.ShapeDtypeStruct((padded, num_heads, value_dim), f32),
+            jax.ShapeDtypeStruct((padded + num_seqs * TILE, num_heads, value_dim), f32),
             jax.ShapeDtypeStruct((num_rows, num_heads, value_dim, key_dim), f32),
         ),
         grid=(num_seqs, num_heads, value_dim // SLICE),
         grid_names=("seq", "head", "v"),
         interpret=mosaic_gpu.interpreter() if interpret else False,
     )
-    o, states_t = kernel(
+    o_shifted, states_t = kernel(
         jnp.stack([cu[:-1], cu[1:] - cu[:-1]]), row_end, pad(q32), pad(k32), pad(v.astype(f32)), scalars,
         init_states.astype(f32).swapaxes(-1, -2),
     )  # fmt: skip
     chunk_states = states_t.swapaxes(-1, -2)  # [R, H_v, d_k, d_v]
-    valid = ragged.token_segments(cu, num_tokens)[2]
+    token_seq, _, valid = ragged.token_segments(cu, num_tokens)
+    o = o_shifted[jnp.arange(num_tokens) + token_seq * TILE]  # [T, H_v, d_v]
     return GatedDeltaOutput(
-        o=jnp.where(valid[:, None, None], o[:num_tokens], 0.0),
+        o=jnp.where(valid[:, None, None], o, 0.0),
         final_states=ragged.final_states(rows, chunk_states, init_states),
         chunk_states=chunk_states,
         chunk_seq=rows.chunk_seq,

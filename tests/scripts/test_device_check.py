@@ -78,7 +78,9 @@ def test_deadline_skips_every_check(tmp_path):
 
 def test_parts_selects_and_rejects(tmp_path):
     status, report = _run(tmp_path, "--budget-s", "0", "--parts", "engine")
-    assert [r["name"] for r in report["rows"]] == ["roofline", *ENGINE_ROWS]
+    assert [r["name"] for r in report["rows"]] == ["roofline", *ENGINE_ROWS[:-2]]
+    status, report = _run(tmp_path, "--budget-s", "0", "--parts", "verify")
+    assert [r["name"] for r in report["rows"]] == ["roofline", *ENGINE_ROWS[-2:]]
     with pytest.raises(SystemExit):
         device_check.parse_args(["--parts", "kernels,gpu"])
 
