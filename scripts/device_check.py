@@ -1,12 +1,12 @@
 """One-command device check of the GPU kernels and the engine on one CUDA GPU.
 
 Usage (from the repository root):
-  python scripts/device_check.py [--quick] [--parts kernels,engine,verify] [--json device_check.json] [--budget-s 420]
+  python scripts/device_check.py [--quick] [--parts kernels,engine,verify,startup] [--json device_check.json] [--budget-s 420]
 
 On one H200 (2026-12-04) the kernels took about 2 minutes and each engine of part 3 about
 3 minutes, mostly compiling its step shapes; the whole check does not fit in one
 10-minute run, so run the parts in separate runs (`--parts kernels,engine`, then
-`--parts verify`).
+`--parts verify,startup`).
 
 What it measures:
   1. Roofline: HBM bandwidth (best of several `a * 2` passes over a 2 GiB float32 array,
@@ -58,6 +58,11 @@ What it measures:
      for the first tokens: bf16 rounding of a k + 1-token step may flip near-ties). The
      same with `draft_model`: the model drafting for itself inside its own step (its
      greedy drafts should all be accepted but where bf16 rounding flips a near-tie).
+  5. Start-up (`startup`): the embedded default model as a user starts it (default engine
+     arguments, but no stored steps): seconds until `LLM(...)` returns, until 16 greedy
+     tokens of one prompt are out, and until the background thread has compiled every other
+     step shape; the slowest shapes' lowering and compile times. Mosaic GPU kernels compile
+     when first run, once per kernel shape and process, and are not in those times.
 
 Tolerances: attention (bf16) 2^-6 * max|v|, v uniform in [-1, 1] (each side rounds the
 probabilities and the output to bf16; see tests/pallas_kernels); queries are scaled so the
@@ -108,7 +113,7 @@ from pallas_kernels.selective_scan.reference import ragged_selective_scan
 from pallas_kernels.ssd import kernel_gpu as ssd_gpu
 from pallas_kernels.ssd.reference import RaggedScanOutput, ragged_ssd_scan
 
-PARTS = ("kernels", "engine", "verify")
+PARTS = ("kernels", "engine", "verify", "startup")
 SKIPPED = "skipped (time)"
 ATTENTION_TOL = 2.0**-6  # x max|v|, and v is uniform in [-1, 1]
 Q_SCALE = 3.0  # query scale: score std 3, so a few keys dominate each softmax
@@ -208,6 +213,7 @@ class Plan:
     kernel_case_s: float  # time a kernel case may take (for the deadline)
     engine_build_s: float
     engine_mode_s: float
+    startup_s: float
 
 
 def _lengths(rng: np.random.Generator, n: int, low: int, high: int) -> tuple[int, ...]:
@@ -277,6 +283,7 @@ def full_plan() -> Plan:
         kernel_case_s=30,
         engine_build_s=30,
         engine_mode_s=200,
+        startup_s=240,
     )
 
 
@@ -338,6 +345,7 @@ def quick_plan() -> Plan:
         kernel_case_s=20,
         engine_build_s=5,
         engine_mode_s=30,
+        startup_s=120,
     )
 
 
@@ -1124,6 +1132,34 @@ def measured_engine_rows(plan: Plan, model_dir: Path, sizes: ModelSizes, modes: 
     return rows
 
 
+STARTUP = "startup default model"
+
+
+def startup_row() -> Row:
+    """The default model started as a user starts it; see the module docstring, part 5."""
+    from jaxengine import LLM, SamplingParams  # after JAX's GPU start-up (see build_random_bamba)
+    from jaxengine.run_config import DEFAULT_MODEL
+
+    start = time.perf_counter()
+    llm = LLM(DEFAULT_MODEL, compilation_cache_dir=None)
+    ready = time.perf_counter() - start
+    llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
+    first = time.perf_counter() - start
+    steps = llm.engine.runner.steps
+    steps.wait()
+    every = time.perf_counter() - start
+    compiles = sorted(steps.compile_seconds.items(), key=lambda item: -item[1])
+    slowest = "; ".join(f"{key} {seconds:.1f} s" for key, seconds in compiles[:3])
+    return Row(
+        "startup", STARTUP, "ok", kernel=first, unit="s",
+        note=f"LLM() {ready:.1f} s, 16 tokens out {first:.1f} s, all {len(steps.ready)} shapes {every:.1f} s; "
+             f"slowest (tokens, seqs, saves, decode): {slowest}",
+        details={"ready_s": ready, "first_output_s": first, "all_shapes_s": every,
+                 "compile_seconds": {str(key): seconds for key, seconds in compiles}},
+    )
+
+
 # ---------------------------------------------------------------------------- report
 
 
@@ -1185,6 +1221,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows += kernel_rows(plan, roofline, deadline, interpret)
     if {"engine", "verify"} & set(args.parts):
         rows += guarded("engine", "engine", engine_rows, plan, roofline, deadline, interpret, args.parts)
+    if "startup" in args.parts:
+        if deadline.allows(plan.startup_s):
+            rows += guarded("startup", STARTUP, startup_row)
+        else:
+            rows.append(Row("startup", STARTUP, SKIPPED))
+        log(deadline, f"{STARTUP}: {rows[-1].status}")
     passed = not any(r.status == "fail" or r.status.startswith("error") for r in rows)
     report = {
         "device": device.device_kind,

@@ -12,6 +12,7 @@ flight when asked (at the latest when the process exits), so the next start load
 import atexit
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -43,6 +44,7 @@ class StepExecutables:
         self._lower, self._file_key, self.store = lower, file_key, store
         self.ready: dict[ShapeKey, jax.stages.Compiled] = {}
         self.compiled_on_demand = 0  # steps that waited for a compile: none after a warm-up
+        self.compile_seconds: dict[ShapeKey, float] = {}  # lowering and compiling each compiled shape
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._queue: list[Item] = []  # the background thread's shapes, next first
@@ -135,7 +137,9 @@ class StepExecutables:
         return self.store.load(self._file_key(batch, sampling, decode))
 
     def _compile(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Compiled:
+        start = time.perf_counter()
         executable = self._lower(batch, sampling, decode).compile()
+        self.compile_seconds[shape_key(batch, decode)] = time.perf_counter() - start
         self.store.save(self._file_key(batch, sampling, decode), executable)
         return executable
 

@@ -29,6 +29,7 @@ def test_only_the_largest_shapes_wait_and_tokens_are_those_of_exact_shapes(tiny_
     steps.wait()
     assert llm.stats()["step_shapes_not_ready"] == 0
     assert len(steps.ready) == len(shapes)
+    assert set(steps.compile_seconds) == set(steps.ready) and min(steps.compile_seconds.values()) > 0  # all compiled
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == early  # every step its own shape
 
 

@@ -25,6 +25,7 @@ KERNEL_ROWS = [
 ON_GPU = jax.default_backend() == "gpu"
 ENGINE_ROWS = ["engine decode b4", "engine prefill 4x8", "engine load / first runs", "engine first tokens auto vs ref",
                "engine tensor parallel", "engine verify b4", "engine verify b4 draft_model"]
+STARTUP_ROW = "startup default model"
 
 
 def _run(tmp_path: Path, *argv: str) -> tuple[int, dict]:
@@ -37,7 +38,7 @@ def _run(tmp_path: Path, *argv: str) -> tuple[int, dict]:
 def test_quick_run_checks_kernels_and_engine(tmp_path, capsys):
     status, report = _run(tmp_path)
     rows = {r["name"]: r for r in report["rows"]}
-    assert list(rows) == ["roofline", *KERNEL_ROWS, *ENGINE_ROWS]
+    assert list(rows) == ["roofline", *KERNEL_ROWS, *ENGINE_ROWS, STARTUP_ROW]
     assert status == 0 and report["passed"]
     assert report["device"] and report["jax"] and report["date"] and report["interpret"] == (not ON_GPU)
     assert rows["roofline"]["details"]["bandwidth"] > 0 and rows["roofline"]["details"]["matmul_rate"] > 0
@@ -62,16 +63,20 @@ def test_quick_run_checks_kernels_and_engine(tmp_path, capsys):
         # depend on the model's tokens, so the untimed runs may not reach every verify shape)
     draft = rows["engine verify b4 draft_model"]["details"]
     assert draft["accepted"] >= 0.9 * draft["drafted"]  # the model drafting for itself (bfloat16: near-ties may differ)
+    startup = rows[STARTUP_ROW]
+    times = startup["details"]
+    assert startup["status"] == "ok" and 0 < times["ready_s"] < times["first_output_s"] <= times["all_shapes_s"]
+    assert times["compile_seconds"] and all(t > 0 for t in times["compile_seconds"].values())
     # The table comes last: its header, then one line per row.
     lines = capsys.readouterr().out.rstrip().splitlines()
-    assert lines[-len(rows) - 1].startswith("check") and lines[-1].startswith("engine verify")
+    assert lines[-len(rows) - 1].startswith("check") and lines[-1].startswith(STARTUP_ROW)
 
 
 def test_deadline_skips_every_check(tmp_path):
     status, report = _run(tmp_path, "--budget-s", "0")
     statuses = {r["name"]: r["status"] for r in report["rows"]}
     assert statuses.pop("roofline") == "ok"
-    assert list(statuses) == KERNEL_ROWS + ENGINE_ROWS
+    assert list(statuses) == [*KERNEL_ROWS, *ENGINE_ROWS, STARTUP_ROW]
     assert set(statuses.values()) == {"skipped (time)"}
     assert status == 0 and report["passed"]
 
@@ -81,6 +86,8 @@ def test_parts_selects_and_rejects(tmp_path):
     assert [r["name"] for r in report["rows"]] == ["roofline", *ENGINE_ROWS[:-2]]
     status, report = _run(tmp_path, "--budget-s", "0", "--parts", "verify")
     assert [r["name"] for r in report["rows"]] == ["roofline", *ENGINE_ROWS[-2:]]
+    status, report = _run(tmp_path, "--budget-s", "0", "--parts", "startup")
+    assert [r["name"] for r in report["rows"]] == ["roofline", STARTUP_ROW]
     with pytest.raises(SystemExit):
         device_check.parse_args(["--parts", "kernels,gpu"])
 
