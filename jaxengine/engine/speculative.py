@@ -165,7 +165,9 @@ class SpeculationGate:
     at all, against plain decode steps: until verify steps at S are timed, it does; then,
     until plain decode steps at S are timed, it does not; then it does where verify steps pay
     against plain ones, and otherwise every `wait`-th admission still does (a probe), the wait
-    doubling as above."""
+    doubling as above. A probe among S sequences makes every step of all S run the method's
+    pass while it lasts, so at S the wait is S times as long (`probe_every` x S, up to
+    `max_probe_every` x S): probing then costs about the same share of the work at any S."""
 
     def __init__(self, probe_every: int = 16, smoothing: float = 0.2, max_probe_every: int = 128, window: int = 5):
         self.probe_every = probe_every
@@ -199,7 +201,8 @@ class SpeculationGate:
             return True
         if num_seqs not in self.plain_seconds:
             return False
-        off = self.admissions_off.setdefault(num_seqs, ProbeBackoff(self.probe_every, self.max_probe_every))
+        off = self.admissions_off.setdefault(
+            num_seqs, ProbeBackoff(self.probe_every * num_seqs, self.max_probe_every * num_seqs))
         if self._verify_pays(num_seqs, statistics.median(self.plain_seconds[num_seqs])):
             off.reset()
             return True

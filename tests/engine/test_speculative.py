@@ -278,21 +278,25 @@ def test_one_slow_step_does_not_keep_the_gate_on():
 def test_the_gate_admits_requests_to_speculate_only_where_verify_steps_beat_plain_decode_steps():
     """Per request (the MTP method): speculate until verify steps are timed, then not until
     plain decode steps (no MTP pass) are timed, then where verify steps emit more tokens per
-    second than plain decode steps, else only every `wait`-th admission (a probe)."""
+    second than plain decode steps, else only every `wait`-th admission (a probe), the wait
+    S times as long at S sequences (a probe there makes all S pay the module's pass)."""
     gate = SpeculationGate(probe_every=2, max_probe_every=4)
-    assert gate.admits(16)  # nothing timed: speculate, to time verify steps
-    gate.record_decode(16, 0.010, plain=False)  # a decode step with the MTP pass
-    gate.record_verify(16, 0.020, emitted_per_seq=2.2)  # 110 tokens/s per sequence against 100: pays
-    assert gate.pays(16)
-    assert not gate.admits(16)  # plain decode steps not timed yet: admit without, to time them
-    gate.record_decode(16, 0.008, plain=True)  # 125 tokens/s per sequence: speculating does not pay
-    assert gate.pays(16)  # for a sequence that speculates already (it pays the pass anyway)
-    admitted = [gate.admits(16) for _ in range(9)]
+    for s in (1, 4):
+        assert gate.admits(s)  # nothing timed: speculate, to time verify steps
+        gate.record_decode(s, 0.010, plain=False)  # a decode step with the MTP pass
+        gate.record_verify(s, 0.020, emitted_per_seq=2.2)  # 110 tokens/s per sequence against 100: pays
+        assert gate.pays(s)
+        assert not gate.admits(s)  # plain decode steps not timed yet: admit without, to time them
+        gate.record_decode(s, 0.008, plain=True)  # 125 tokens/s per sequence: speculating does not pay
+        assert gate.pays(s)  # for a sequence that speculates already (it pays the pass anyway)
+    admitted = [gate.admits(1) for _ in range(9)]
     assert [i for i, a in enumerate(admitted) if a] == [1, 5]  # probes after 2 admissions off, then 4
-    gate.record_verify(16, 0.012, emitted_per_seq=2.2)  # verify steps got cheaper: 183 tokens/s
-    gate.record_verify(16, 0.012, emitted_per_seq=2.2)
-    assert all(gate.admits(16) for _ in range(3))
-    assert gate.admits(4)  # another batch size is timed on its own
+    admitted = [gate.admits(4) for _ in range(30)]
+    assert [i for i, a in enumerate(admitted) if a] == [7, 23]  # at 4 sequences: after 8, then 16
+    gate.record_verify(1, 0.012, emitted_per_seq=2.2)  # verify steps got cheaper: 183 tokens/s
+    gate.record_verify(1, 0.012, emitted_per_seq=2.2)
+    assert all(gate.admits(1) for _ in range(3))
+    assert gate.admits(16)  # another batch size is timed on its own
 
 
 def test_adaptive_is_on_by_default_and_must_be_a_bool():
