@@ -1090,7 +1090,7 @@ def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, inter
         model_dir = Path(tmp)
         sizes = build_random_bamba(model_dir, spec)
         log(deadline, f"random Bamba saved: {sizes.parameters / 1e6:,.1f}M parameters")
-        rows = measured_engine_rows(plan, model_dir, sizes, modes, roofline, deadline) if measure else []
+        rows = measured_engine_rows(plan, model_dir, sizes, modes, roofline, deadline, interpret) if measure else []
         for method in methods:
             if deadline.allows(plan.engine_mode_s):
                 rows += guarded("engine", verify_name(method, spec), verify_row, model_dir, modes["auto"], spec, method)
@@ -1102,7 +1102,7 @@ def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, inter
 
 
 def measured_engine_rows(plan: Plan, model_dir: Path, sizes: ModelSizes, modes: dict[str, str],
-                         roofline: Roofline | None, deadline: Deadline) -> list[Row]:
+                         roofline: Roofline | None, deadline: Deadline, interpret: bool) -> list[Row]:
     """Decode and prefill in both kernel modes, their first tokens compared, and the
     tensor-parallel row."""
     spec = plan.engine
@@ -1123,7 +1123,7 @@ def measured_engine_rows(plan: Plan, model_dir: Path, sizes: ModelSizes, modes: 
     if deadline.allows(plan.engine_mode_s):
         # Interpreted, the GPU kernels cannot run on several CPU devices at once (the
         # interpreter's shared memory is not per device): the references run under tp there.
-        tp_mode = "reference" if modes["auto"] != "auto" else "auto"
+        tp_mode = "reference" if interpret else "auto"
         rows += guarded("engine", "engine tensor parallel", tensor_parallel_row, model_dir, modes[tp_mode], spec,
                         runs[tp_mode])
         gc.collect()
