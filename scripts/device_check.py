@@ -434,6 +434,15 @@ def log(deadline: Deadline, message: str) -> None:
     print(f"[{deadline.elapsed():5.0f} s] {message}", flush=True)
 
 
+def within(deadline: Deadline, seconds: float, part: str, name: str, fn: Callable[..., Row | list[Row]],
+           *args: Any) -> list[Row]:
+    """`guarded(part, name, fn, *args)` where about `seconds` still fit before the deadline,
+    else a skipped row; logged either way."""
+    rows = guarded(part, name, fn, *args) if deadline.allows(seconds) else [Row(part, name, SKIPPED)]
+    log(deadline, f"{name}: {rows[-1].status}")
+    return rows
+
+
 # ---------------------------------------------------------------------------- timing
 
 
@@ -752,11 +761,8 @@ def kernel_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, inter
     cases += [(c, gated_delta_row) for c in plan.gated_delta]
     rows = []
     for case, check in cases:
-        if deadline.allows(plan.kernel_case_s):
-            rows += guarded("kernels", case.name, check, case, roofline, plan.kernel_repeats, interpret)
-        else:
-            rows.append(Row("kernels", case.name, SKIPPED))
-        log(deadline, f"{case.name}: {rows[-1].status}")
+        rows += within(deadline, plan.kernel_case_s, "kernels", case.name, check, case, roofline, plan.kernel_repeats,
+                       interpret)
     return rows
 
 
@@ -1092,12 +1098,9 @@ def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, inter
         log(deadline, f"random Bamba saved: {sizes.parameters / 1e6:,.1f}M parameters")
         rows = measured_engine_rows(plan, model_dir, sizes, modes, roofline, deadline, interpret) if measure else []
         for method in methods:
-            if deadline.allows(plan.engine_mode_s):
-                rows += guarded("engine", verify_name(method, spec), verify_row, model_dir, modes["auto"], spec, method)
-                gc.collect()
-            else:
-                rows.append(Row("engine", verify_name(method, spec), SKIPPED))
-            log(deadline, f"{verify_name(method, spec)}: {rows[-1].status}")
+            rows += within(deadline, plan.engine_mode_s, "engine", verify_name(method, spec), verify_row, model_dir,
+                           modes["auto"], spec, method)
+            gc.collect()
     return rows
 
 
@@ -1120,15 +1123,12 @@ def measured_engine_rows(plan: Plan, model_dir: Path, sizes: ModelSizes, modes: 
         status = runs[label] if isinstance(runs[label], str) else "done"
         log(deadline, f"engine kernels={kernels}: {status}")
     rows = engine_report(spec, sizes, runs, roofline)
-    if deadline.allows(plan.engine_mode_s):
-        # Interpreted, the GPU kernels cannot run on several CPU devices at once (the
-        # interpreter's shared memory is not per device): the references run under tp there.
-        tp_mode = "reference" if interpret else "auto"
-        rows += guarded("engine", "engine tensor parallel", tensor_parallel_row, model_dir, modes[tp_mode], spec,
-                        runs[tp_mode])
-        gc.collect()
-    else:
-        rows.append(Row("engine", "engine tensor parallel", SKIPPED))
+    # Interpreted, the GPU kernels cannot run on several CPU devices at once (the
+    # interpreter's shared memory is not per device): the references run under tp there.
+    tp_mode = "reference" if interpret else "auto"
+    rows += within(deadline, plan.engine_mode_s, "engine", "engine tensor parallel", tensor_parallel_row, model_dir,
+                   modes[tp_mode], spec, runs[tp_mode])
+    gc.collect()
     return rows
 
 
@@ -1222,11 +1222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if {"engine", "verify"} & set(args.parts):
         rows += guarded("engine", "engine", engine_rows, plan, roofline, deadline, interpret, args.parts)
     if "startup" in args.parts:
-        if deadline.allows(plan.startup_s):
-            rows += guarded("startup", STARTUP, startup_row)
-        else:
-            rows.append(Row("startup", STARTUP, SKIPPED))
-        log(deadline, f"{STARTUP}: {rows[-1].status}")
+        rows += within(deadline, plan.startup_s, "startup", STARTUP, startup_row)
     passed = not any(r.status == "fail" or r.status.startswith("error") for r in rows)
     report = {
         "device": device.device_kind,
