@@ -395,10 +395,11 @@ class LLMEngine:
 
     def _admits(self, num_seqs: int, hit_has_draft_state: bool) -> bool:
         """Whether a sequence admitted into a batch of `num_seqs` speculates: not where its
-        prefix hit lacks the draft's state, and with the MTP module's adaptive gate only where
-        speculation pays against plain decoding (the module's pass over every token is then
-        saved). The draft model keeps its state for every sequence: decided step by step only."""
-        speculates = hit_has_draft_state and (self.gate is None or self.speculative.method != "mtp"
+        prefix hit lacks the draft's state, and, for the methods that draft inside the step
+        (the MTP module, a draft model) with the adaptive gate, only where speculation pays
+        against plain decoding (their pass over every token is then saved). ngram is decided
+        step by step only."""
+        speculates = hit_has_draft_state and (self.gate is None or not self.drafts_in_step
                                               or self.gate.admits(self.builder.seq_bucket(num_seqs)))
         self.spec_stats.requests_speculating += speculates
         self.spec_stats.requests_not_speculating += not speculates
@@ -484,9 +485,8 @@ class LLMEngine:
 
     def _plain(self, scheduled: ScheduledStep) -> bool:
         """Whether a step did none of the speculative method's own work (ngram has none; the
-        MTP module skips a step where no sequence speculates; the draft model runs always)."""
-        method = self.speculative.method
-        return method == "ngram" or (method == "mtp" and not any(seq.speculates for seq in scheduled.seqs))
+        MTP module and the draft model skip a step where no sequence speculates)."""
+        return not self.drafts_in_step or not any(seq.speculates for seq in scheduled.seqs)
 
     def _record_prompt_logprobs(self, scheduled: ScheduledStep, prompt: PromptLogprobs) -> None:
         """Appends the Logprob entries of the prompt tokens this step's chunks predict (the

@@ -78,8 +78,8 @@ def _sample_step(
     if draft_graphdef is not None:
         draft = nnx.merge(draft_graphdef, jax.tree.unflatten(draft_treedef, draft_leaves))
         drafts, draft_pools = draft_model_drafts(draft, draft_pools, batch, sampling.sample_rows, sampling.num_drafts,
-                                                 sampling.wants_drafts, out.tokens, last, choose, num_step_drafts,
-                                                 decode)
+                                                 sampling.wants_drafts, sampling.speculates, out.tokens, last, choose,
+                                                 num_step_drafts, decode)
         out = dataclasses.replace(out, drafts=drafts)
     # The pools in the order jit flattens the (keyword) arguments: it gives each donated
     # input buffer to the first output of its shape, and a draft may have the target's shapes.

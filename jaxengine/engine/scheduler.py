@@ -16,7 +16,7 @@ Prefix caching (host side only; the device just follows the index arrays):
     room for them at their priority (`saves`); they become readable once the step has run.
 
 Speculation: whether a sequence speculates is decided as it is admitted (`speculates`). One
-that does not has no draft state kept for it (the MTP module's KV entries), so the cached
+that does not has no draft state kept for it (the MTP module's KV entries, the draft model's), so the cached
 pages and checkpoints it registers are marked as lacking it, and a sequence whose hit
 includes such a block does not speculate either.
 """

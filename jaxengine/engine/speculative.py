@@ -142,8 +142,8 @@ class ProbeBackoff:
 
 
 class SpeculationGate:
-    """Decides whether drafting pays at the current batch size: step by step, and for the MTP
-    method also per request as it is admitted.
+    """Decides whether drafting pays at the current batch size: step by step, and for the
+    methods that draft inside the step (MTP, a draft model) also per request as it is admitted.
 
     It keeps, per sequence bucket S, the seconds of the last `window` decode steps and verify
     steps run (whole steps: scheduling, the device's work and the host's), and the mean tokens

@@ -3,9 +3,12 @@
 The draft is a whole model of its own (any supported architecture with the target's
 vocabulary) with pools of its own, laid out as the target's: its KV pages in cache blocks of
 the same indices, so the target's page tables, prefix hits and checkpoint blocks serve it
-too, and its recurrent states in live slots of the same indices. Every step runs it over the
-step's tokens, as the target, so every computed position has the draft's KV entry and state
-(a prefix hit brings the draft's with the target's; nothing is recomputed for it).
+too, and its recurrent states in live slots of the same indices. Every step with a sequence
+that speculates runs it over the step's tokens, as the target, so every position such a
+sequence computes has the draft's KV entry and state (a prefix hit brings the draft's with the
+target's; nothing is recomputed for it). A step where no sequence speculates (the engine
+admits requests without speculation where it does not pay) skips it; the cache blocks those
+steps fill are marked as lacking the draft's state, and a hit on them does not speculate.
 
 Then, when some sequence may verify drafts next step, it drafts k tokens per sequence
 after that sequence's last accepted token: k one-token steps of the draft, the first on the
@@ -27,16 +30,20 @@ from jaxengine.models.mtp import DraftChooser
 
 def draft_model_drafts(
     draft, pools: Pools, batch: StepBatch, sample_rows: jax.Array, num_drafts: jax.Array, wants_drafts: jax.Array,
-    sampled: jax.Array, last: jax.Array, choose: DraftChooser, num_speculative_tokens: int, decode: bool,
+    speculates: jax.Array, sampled: jax.Array, last: jax.Array, choose: DraftChooser, num_speculative_tokens: int, decode: bool,
 ) -> tuple[jax.Array, Pools]:
-    """Runs the draft model over the step's tokens and, when some sequence `wants_drafts` [S],
-    drafts `num_speculative_tokens` tokens per sequence after its last accepted one, each
-    picked by `choose` from the draft's logits.
+    """Runs the draft model over the step's tokens when some sequence `speculates` [S] and,
+    when some sequence `wants_drafts` [S] (only speculating ones do), drafts
+    `num_speculative_tokens` tokens per sequence after its last accepted one, each picked by
+    `choose` from the draft's logits.
 
     sample_rows [S, W] flat token indices, num_drafts [S], sampled [S, W]: the step's samples;
     last [S]: each sequence's last accepted sample row (`last_accepted_rows`).
     Returns drafts [S, k] int32 (zeros when none is wanted) and the draft's pools after the step."""
-    _, pools = draft(pools, batch, decode=decode, hidden=True)  # the hidden states are not needed: dropped
+    # A loop of one iteration or none (its carried pools are updated in place; a branch
+    # returning them is copied): the pass runs only when some sequence speculates.
+    pools = jax.lax.fori_loop(0, jnp.any(speculates).astype(jnp.int32),
+                              lambda _, pools: draft(pools, batch, decode=decode, hidden=True)[1], pools)
     num_seqs = sampled.shape[0]
     page_size = pools.k_pages[0].shape[1] if pools.k_pages else 1
     row = jnp.take_along_axis(sample_rows, last[:, None], axis=1)[:, 0]  # [S] flat token index

@@ -99,9 +99,10 @@ def mtp_drafts(
     layer's KV entries written.
 
     The pass over the step's tokens runs whenever a sequence speculates, so every position it
-    computes has its entry for whenever drafting resumes; the drafting runs only when wanted.
-    Both are `lax.cond`s. The KV writes stay outside the conditionals (to the null slot when
-    not run): XLA copies pages a branch returns."""
+    computes has its entry for whenever drafting resumes: a loop of one iteration or none,
+    with nothing of the module outside it. The drafting inside it runs only when wanted, under
+    `lax.cond`s; its KV writes stay outside them (to the null slot when not drafting): XLA
+    copies pages a branch returns."""
     cfg = model.cfg
     store = pools.store_arrays()
     kv = 2 * cfg.num_attention_layers  # the MTP layer's K and V pages: store[kv], store[kv + 1]
@@ -109,44 +110,53 @@ def mtp_drafts(
     num_tokens = batch.input_ids.shape[0]
     num_seqs, width = sampled.shape
     wanted = jnp.any(wants_drafts)
-    runs = jnp.any(speculates)
-    when, when_runs = functools.partial(_when, wanted), functools.partial(_when, runs)
+    when = functools.partial(_when, wanted)
 
-    used = jnp.arange(width)[None, :] >= (width - 1 - num_drafts)[:, None]  # [S, W]: rows of real tokens
-    own = jnp.zeros(num_tokens, jnp.int32).at[jnp.where(used, sample_rows, num_tokens)].set(sampled, mode="drop")
-    following = jnp.where(following_ids >= 0, following_ids, own)  # [T]
-    layout = token_layout(batch, page_size)
-    slots = jnp.where(runs, layout.slot_mapping, 0)  # [T]; not run: the null slot
-    g = _layer_pass(model, following, hidden, layout.positions, slots, batch, store, kv, ops, when_runs)  # [T, D]
+    def run(_, carry):  # the module's pass over the step's tokens, then the drafting
+        _, k_pages, v_pages = carry
+        pages = [k_pages, v_pages]
+        used = jnp.arange(width)[None, :] >= (width - 1 - num_drafts)[:, None]  # [S, W]: rows of real tokens
+        own = jnp.zeros(num_tokens, jnp.int32).at[jnp.where(used, sample_rows, num_tokens)].set(sampled, mode="drop")
+        following = jnp.where(following_ids >= 0, following_ids, own)  # [T]
+        layout = token_layout(batch, page_size)
+        g = _layer_pass(model, following, hidden, layout.positions, layout.slot_mapping, batch, pages, ops)  # [T, D]
 
-    row = jnp.take_along_axis(sample_rows, last[:, None], axis=1)[:, 0]  # [S] flat token index
-    g = g[row]  # [S, D]
-    draft = when(lambda g: choose(model.head(g), 0), g)
-    drafts = [draft]
-    start = layout.positions[row]  # [S]
-    pages_per_seq = batch.page_table.shape[1]
-    capacity = pages_per_seq * page_size
-    seqs = jnp.arange(num_seqs, dtype=jnp.int32)
-    step = dataclasses.replace(batch, cu_q_lens=jnp.arange(num_seqs + 1, dtype=jnp.int32))
-    for i in range(1, num_speculative_tokens):
-        # One token per sequence at the next position; past the page table (drafts never
-        # used: the host drafts none past max_model_len), or when not drafting, into the null slot.
-        pos = start + i
-        page = batch.page_table[seqs, jnp.minimum(pos // page_size, pages_per_seq - 1)]
-        slot = jnp.where(wanted & (pos < capacity), page * page_size + pos % page_size, 0)
-        step = dataclasses.replace(step, kv_lens=jnp.minimum(pos + 1, capacity))
-        g = _layer_pass(model, draft, g, pos, slot, step, store, kv, ops, when)
-        draft = when(lambda g, i=i: choose(model.head(g), i), g)
-        drafts.append(draft)
-    return jnp.stack(drafts, axis=1), pools.with_store(store, pools.states)
+        row = jnp.take_along_axis(sample_rows, last[:, None], axis=1)[:, 0]  # [S] flat token index
+        g = g[row]  # [S, D]
+        draft = when(lambda g: choose(model.head(g), 0), g)
+        drafts = [draft]
+        start = layout.positions[row]  # [S]
+        pages_per_seq = batch.page_table.shape[1]
+        capacity = pages_per_seq * page_size
+        seqs = jnp.arange(num_seqs, dtype=jnp.int32)
+        step = dataclasses.replace(batch, cu_q_lens=jnp.arange(num_seqs + 1, dtype=jnp.int32))
+        for i in range(1, num_speculative_tokens):
+            # One token per sequence at the next position; past the page table (drafts never
+            # used: the host drafts none past max_model_len), or when not drafting, into the null slot.
+            pos = start + i
+            page = batch.page_table[seqs, jnp.minimum(pos // page_size, pages_per_seq - 1)]
+            slot = jnp.where(wanted & (pos < capacity), page * page_size + pos % page_size, 0)
+            step = dataclasses.replace(step, kv_lens=jnp.minimum(pos + 1, capacity))
+            g = _layer_pass(model, draft, g, pos, slot, step, pages, ops, when)
+            draft = when(lambda g, i=i: choose(model.head(g), i), g)
+            drafts.append(draft)
+        return jnp.stack(drafts, axis=1), *pages
+
+    # A loop of one iteration or none, not a conditional: its carried pages are updated in
+    # place (a branch returning them is copied).
+    drafts = jnp.zeros((num_seqs, num_speculative_tokens), jnp.int32)
+    drafts, store[kv], store[kv + 1] = jax.lax.fori_loop(
+        0, jnp.any(speculates).astype(jnp.int32), run, (drafts, store[kv], store[kv + 1]))
+    return drafts, pools.with_store(store, pools.states)
 
 
 def _layer_pass(model, ids: jax.Array, hidden: jax.Array, positions: jax.Array, slots: jax.Array, batch: StepBatch,
-                store: list[jax.Array], kv: int, ops: KernelOps, when) -> jax.Array:
+                pages: list[jax.Array], ops: KernelOps, when=None) -> jax.Array:
     """The module over tokens `ids` [N] after hidden states `hidden` [N, D] at `positions`,
-    writing their K/V to `slots` of store[kv], store[kv + 1] (in place in `store`) -> g [N, D].
-    `when(fn, *args)` runs the compute under a condition."""
+    writing their K/V to `slots` of the pages [K, V] (in place in `pages`) -> g [N, D].
+    `when(fn, *args)`, if given, runs the compute under a condition."""
     mtp, layer = model.mtp, model.mtp.layers[0]
+    when = when or (lambda fn, *args: fn(*args))
 
     def project(ids, hidden, positions):
         x = mtp.inputs(model.embedding(ids), hidden)
@@ -156,8 +166,8 @@ def _layer_pass(model, ids: jax.Array, hidden: jax.Array, positions: jax.Array, 
         return mtp.outputs(model.cfg, x, layer.attention.attend(q, gate, k_pages, v_pages, batch, ops))
 
     x, q, gate, k, v = when(project, ids, hidden, positions)
-    store[kv], store[kv + 1] = ops.write_kv_pages(store[kv], store[kv + 1], k, v, slots)
-    return when(finish, x, q, gate, store[kv], store[kv + 1], batch)
+    pages[0], pages[1] = ops.write_kv_pages(pages[0], pages[1], k, v, slots)
+    return when(finish, x, q, gate, pages[0], pages[1], batch)
 
 
 def _when(flag: jax.Array, fn, *args):

@@ -12,7 +12,15 @@ import pytest
 
 from jaxengine import LLM, SamplingParams
 from tests.engine.test_pool_donation import assert_no_step_copies_a_pool
-from tests.engine.test_speculative import ARGS, K, _params, _poison_unread_slots, _prompts, _run
+from tests.engine.test_speculative import (
+    ARGS,
+    K,
+    _params,
+    _poison_unread_slots,
+    _prompts,
+    _run,
+    check_admission_without_speculation,
+)
 from tests.models.tiny_models import hf_greedy, random_prompt, save_tiny_model
 
 # (target, draft) architectures: hybrid for hybrid, plain for plain, plain for hybrid, and a
@@ -160,6 +168,13 @@ def _edited(src, dst, **fields):
     config = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**config, **fields}))
     return dst
+
+
+def test_a_request_admitted_without_speculation_skips_the_draft_model_and_so_do_its_hits(models):
+    """The draft model's first attention layer's KV pages: see `check_admission_without_speculation`."""
+    (target_dir, target), (draft_dir, _) = models("bamba"), models("bamba", seed=1)
+    engine = LLM(target_dir, speculative_config=_spec(draft_dir, adaptive=True), **ARGS).engine
+    check_admission_without_speculation(engine, target, "draft_pools", 0)
 
 
 def test_a_draft_that_cannot_serve_the_target_is_refused(models, tmp_path):

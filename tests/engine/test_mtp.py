@@ -2,15 +2,13 @@
 reference run without a cache (after a prefill, after verify steps that accept every draft
 or none, after a prefix hit), and the tokens are those of plain decoding."""
 
-import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxengine import LLM, SamplingParams
 from tests.engine.test_pool_donation import assert_no_step_copies_a_pool
-from tests.engine.test_speculative import ARGS, K, _params, _prompts, _run
+from tests.engine.test_speculative import ARGS, K, _params, _prompts, _run, check_admission_without_speculation
 from tests.models.tiny_models import hf_greedy, random_prompt, save_tiny_model
 from tests.models.tiny_mtp import add_tiny_mtp, reference_drafts
 
@@ -126,47 +124,7 @@ def test_tokens_are_those_of_plain_decoding_under_preemption(mtp_models):
 
 
 def test_a_request_admitted_without_speculation_skips_the_module_and_so_do_its_hits(mtp_models):
-    """Where the gate admits a request without speculation, the steps it runs alone leave the
-    MTP layer's KV pages untouched (the module is skipped), it drafts nothing and its tokens
-    are plain decoding's; a later request whose prefix hit covers its cached pages does not
-    speculate either (their MTP entries were never written), while one with another prompt
-    does, and the module writes its entries."""
+    """The MTP layer's KV pages: see `check_admission_without_speculation`."""
     path, model, _ = mtp_models("bamba")
     engine = LLM(path, speculative_config={**MTP, "adaptive": True}, **ARGS).engine
-    asked = []
-    engine.gate.admits = lambda num_seqs: asked.append(num_seqs) or len(asked) > 1  # no, then yes
-    runner, mtp_k = engine.runner, engine.model_config.num_attention_layers  # the MTP layer's K pages
-    pools = runner.pools
-    runner.pools = dataclasses.replace(pools, k_pages=tuple(
-        jnp.full_like(k, jnp.nan) if i == mtp_k else k for i, k in enumerate(pools.k_pages)))
-
-    def written(blocks) -> list[bool]:  # per block: the MTP layer's K entries were written
-        k = np.asarray(runner.pools.k_pages[mtp_k])[sorted(blocks)]
-        return (~np.isnan(k.reshape(len(k), -1))).all(axis=1).tolist()
-
-    def cached_pages() -> set[int]:  # (checkpoints are stored in the same arrays: not these)
-        return set(engine.scheduler.cache.node_of_block)
-
-    first, other = random_prompt(41, 1), random_prompt(41, 2)
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-    def generate(prompt):
-        seq = engine.add_request(prompt, params)
-        while engine.has_unfinished:
-            engine.step()
-        assert seq.output_token_ids == hf_greedy(model, prompt, 12)
-        return seq
-
-    assert not generate(first).speculates
-    pages = cached_pages()
-    assert len(pages) == (41 + 12) // ARGS["page_size"] and not any(written(pages))
-    again = generate(first)
-    assert again.num_cached_tokens == 40 and not again.speculates
-    assert asked == [1]  # a hit without the draft's state is not the gate's to decide
-    assert not any(written(cached_pages())) and engine.spec_stats.verifies == 0
-    assert generate(other).speculates
-    new = cached_pages() - pages
-    assert len(new) >= 41 // ARGS["page_size"] and all(written(new)) and engine.spec_stats.verifies > 0
-    stats = engine.stats()
-    assert (stats["spec_requests_speculating"], stats["spec_requests_not_speculating"]) == (1, 2)
-    engine.scheduler.check_invariants()
+    check_admission_without_speculation(engine, model, "pools", engine.model_config.num_attention_layers)

@@ -11,7 +11,7 @@ import yaml
 from jaxengine import LLM, SamplingParams
 from jaxengine.engine.speculative import SpeculationGate, SpeculativeConfig, accept, ngram_proposal
 from jaxengine.run_config import ConfigError, load_run_config
-from tests.models.tiny_models import VOCAB_SIZE, random_prompt, save_tiny_model
+from tests.models.tiny_models import VOCAB_SIZE, hf_greedy, random_prompt, save_tiny_model
 
 ARGS = dict(max_model_len=384, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False,
             compilation_cache_dir=None)
@@ -71,6 +71,52 @@ def _poison_unread_slots(llm: LLM) -> None:
                     setattr(engine.runner, name, dataclasses.replace(pools, states=states))
 
     engine.scheduler.update = poisoned
+
+
+def check_admission_without_speculation(engine, model, pools_name: str, k_index: int) -> None:
+    """Where the gate admits a request without speculation, the steps it runs alone leave the
+    draft's KV pages untouched (the MTP module or draft model is skipped), it drafts nothing
+    and its tokens are plain decoding's; a later request whose prefix hit covers its cached
+    pages does not speculate either (their draft entries were never written), while one with
+    another prompt does, and the draft writes its entries. The draft's K pages are
+    `engine.runner.<pools_name>.k_pages[k_index]`."""
+    asked = []
+    engine.gate.admits = lambda num_seqs: asked.append(num_seqs) or len(asked) > 1  # no, then yes
+    runner = engine.runner
+    pools = getattr(runner, pools_name)
+    setattr(runner, pools_name, dataclasses.replace(pools, k_pages=tuple(
+        jnp.full_like(k, jnp.nan) if i == k_index else k for i, k in enumerate(pools.k_pages))))
+
+    def written(blocks) -> list[bool]:  # per block: the draft's K entries were written
+        k = np.asarray(getattr(runner, pools_name).k_pages[k_index])[sorted(blocks)]
+        return (~np.isnan(k.reshape(len(k), -1))).all(axis=1).tolist()
+
+    def cached_pages() -> set[int]:  # (checkpoints are stored in the same arrays: not these)
+        return set(engine.scheduler.cache.node_of_block)
+
+    first, other = random_prompt(41, 1), random_prompt(41, 2)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def generate(prompt):
+        seq = engine.add_request(prompt, params)
+        while engine.has_unfinished:
+            engine.step()
+        assert seq.output_token_ids == hf_greedy(model, prompt, 12)
+        return seq
+
+    assert not generate(first).speculates
+    pages = cached_pages()
+    assert len(pages) == (41 + 12) // ARGS["page_size"] and not any(written(pages))
+    again = generate(first)
+    assert again.num_cached_tokens == 40 and not again.speculates
+    assert asked == [1]  # a hit without the draft's state is not the gate's to decide
+    assert not any(written(cached_pages())) and engine.spec_stats.verifies == 0
+    assert generate(other).speculates
+    new = cached_pages() - pages
+    assert len(new) >= 41 // ARGS["page_size"] and all(written(new)) and engine.spec_stats.verifies > 0
+    stats = engine.stats()
+    assert (stats["spec_requests_speculating"], stats["spec_requests_not_speculating"]) == (1, 2)
+    engine.scheduler.check_invariants()
 
 
 @pytest.mark.parametrize("arch", [a if a == "bamba" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS])
