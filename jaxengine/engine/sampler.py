@@ -147,20 +147,46 @@ def _restrict(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
 
 
 def _filter(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
-    """Top-k, then top-p, then min-p; removed tokens get -inf."""
+    """Top-k, then top-p, then min-p; removed tokens get -inf. Each threshold is found by
+    bisection over the logits' bit patterns (`_order_keys`), not by sorting the vocabulary:
+    XLA:CPU sorts a row of 4,096 in about 0.6 ms, the searches cost a few passes over it."""
     vocab = logits.shape[-1]
-    sorted_desc = -jnp.sort(-logits, axis=-1)
-    k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-    sorted_desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
-    keep_sorted = before < sb.top_p[:, None]
-    cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    keys = _order_keys(logits)  # [R, V]
+    k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, vocab), vocab)[:, None]
+
+    def top_k(logits: jax.Array) -> jax.Array:  # the k-th largest key: the largest u with k keys >= u
+        kth = _largest(lambda u: jnp.sum(keys >= u[:, None], axis=-1) >= k[:, 0], keys.shape[0])
+        return jnp.where(keys >= kth[:, None], logits, -jnp.inf)
+
+    logits = jax.lax.cond(jnp.any(k < vocab), top_k, lambda logits: logits, logits)
+
+    def top_p(logits: jax.Array) -> jax.Array:
+        # A token stays when the mass strictly above it is below p (the smallest prefix of the
+        # sorted tokens reaching p, ties kept together): above the largest u whose mass above is >= p.
+        probs = jax.nn.softmax(logits, axis=-1)
+        above = _largest(lambda u: jnp.sum(jnp.where(keys > u[:, None], probs, 0), axis=-1) >= sb.top_p,
+                         keys.shape[0])
+        return jnp.where((keys > above[:, None]) | (sb.top_p[:, None] >= 1), logits, -jnp.inf)
+
+    logits = jax.lax.cond(jnp.any(sb.top_p < 1), top_p, lambda logits: logits, logits)
     p = jax.nn.softmax(logits, axis=-1)
     return jnp.where(p < sb.min_p[:, None] * p.max(axis=-1, keepdims=True), -jnp.inf, logits)
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order (-0.0 as 0.0; every number's key is above 0)."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x).astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest(holds: Callable[[jax.Array], jax.Array], num_rows: int) -> jax.Array:
+    """Per row, the largest uint32 u for which `holds(u)` ([R] -> [R] bool) is true, for a
+    condition true up to some u and false after it (and true at 0): fixed bit by bit."""
+    found = jnp.zeros(num_rows, jnp.uint32)
+    for bit in range(31, -1, -1):
+        trial = found | jnp.uint32(1 << bit)
+        found = jnp.where(holds(trial), trial, found)
+    return found
 
 
 def _per_row(seq_sb: SamplingBatch, rows: RowSettings) -> SamplingBatch:

@@ -82,6 +82,39 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     assert set(drawn) == {1, 2}
 
 
+def _kept_reference(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """vLLM's filters written out over a sorted row in float64: top-k keeps the k largest
+    (ties with the k-th too), top-p the smallest run of them from the top whose mass reaches
+    p (a token stays while the mass strictly above it is below p; ties together), min-p
+    those with at least min_p times the largest probability among the rest."""
+    x = logits.astype(np.float64)
+    if top_k > 0:
+        x = np.where(x >= np.sort(x)[::-1][min(top_k, len(x)) - 1], x, -np.inf)
+    probs = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+    if top_p < 1:
+        above = np.array([probs[x > v].sum() for v in x])
+        x = np.where(above < top_p, x, -np.inf)
+    probs = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+    return (probs >= min_p * probs.max()) & np.isfinite(x)
+
+
+def test_filters_keep_what_sorting_the_row_keeps():
+    """Top-k, top-p and min-p on rows of 300 logits with many ties (a grid of 0.25) and
+    settings drawn at random, against the written-out rule above."""
+    rng = np.random.default_rng(3)
+    rows = 64
+    logits = (np.round(rng.normal(size=(rows, 300)) * 8) / 4).astype(np.float32)
+    logits[0, :] = 1.0  # all tied
+    top_k = rng.choice([0, 1, 5, 40, 299, 300, 1000], rows).astype(np.int32)
+    top_p = rng.choice([1.0, 0.05, 0.3, 0.7, 0.95, 0.999], rows).astype(np.float32)
+    min_p = rng.choice([0.0, 0.0, 0.05, 0.3], rows).astype(np.float32)
+    sb = _batch(rows, temperature=np.ones(rows), top_k=top_k, top_p=top_p, min_p=min_p)
+    kept = np.isfinite(np.asarray(jax.jit(sampler._filter)(logits, sb)))
+    for i in range(rows):
+        expected = _kept_reference(logits[i], int(top_k[i]), float(top_p[i]), float(min_p[i]))
+        np.testing.assert_array_equal(kept[i], expected, err_msg=f"row {i}: {top_k[i]=} {top_p[i]=} {min_p[i]=}")
+
+
 def test_min_p_drops_tokens_below_a_fraction_of_the_best():
     # threshold 0.2 * 0.4 = 0.08 keeps tokens with p >= 0.08: 1, 2 and 3
     assert set(_draws(LOGITS, min_p=0.2)) == {1, 2, 3}
