@@ -182,11 +182,11 @@ def _order_keys(x: jax.Array) -> jax.Array:
 def _largest(holds: Callable[[jax.Array], jax.Array], num_rows: int) -> jax.Array:
     """Per row, the largest uint32 u for which `holds(u)` ([R] -> [R] bool) is true, for a
     condition true up to some u and false after it (and true at 0): fixed bit by bit."""
-    found = jnp.zeros(num_rows, jnp.uint32)
-    for bit in range(31, -1, -1):
-        trial = found | jnp.uint32(1 << bit)
-        found = jnp.where(holds(trial), trial, found)
-    return found
+    def fix_bit(i, found):
+        trial = found | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
+        return jnp.where(holds(trial), trial, found)
+
+    return jax.lax.fori_loop(0, 32, fix_bit, jnp.zeros(num_rows, jnp.uint32))  # a loop: 32 copies compile slowly
 
 
 def _per_row(seq_sb: SamplingBatch, rows: RowSettings) -> SamplingBatch:
