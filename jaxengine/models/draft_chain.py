@@ -41,9 +41,13 @@ def draft_model_drafts(
     last [S]: each sequence's last accepted sample row (`last_accepted_rows`).
     Returns drafts [S, k] int32 (zeros when none is wanted) and the draft's pools after the step."""
     # A loop of one iteration or none (its carried pools are updated in place; a branch
-    # returning them is copied): the pass runs only when some sequence speculates.
-    pools = jax.lax.fori_loop(0, jnp.any(speculates).astype(jnp.int32),
-                              lambda _, pools: draft(pools, batch, decode=decode, hidden=True)[1], pools)
+    # returning them is copied): the pass runs only when some sequence speculates. The token
+    # ids ride in the carry and come out spent, so XLA cannot hoist work out of the loop.
+    def run(_, carry):
+        pools, ids = carry
+        return draft(pools, dataclasses.replace(batch, input_ids=ids), decode=decode, hidden=True)[1], ids * 0
+
+    pools, _ = jax.lax.fori_loop(0, jnp.any(speculates).astype(jnp.int32), run, (pools, batch.input_ids))
     num_seqs = sampled.shape[0]
     page_size = pools.k_pages[0].shape[1] if pools.k_pages else 1
     row = jnp.take_along_axis(sample_rows, last[:, None], axis=1)[:, 0]  # [S] flat token index

@@ -113,7 +113,7 @@ def mtp_drafts(
     when = functools.partial(_when, wanted)
 
     def run(_, carry):  # the module's pass over the step's tokens, then the drafting
-        _, k_pages, v_pages = carry
+        _, k_pages, v_pages, hidden, sampled = carry
         pages = [k_pages, v_pages]
         used = jnp.arange(width)[None, :] >= (width - 1 - num_drafts)[:, None]  # [S, W]: rows of real tokens
         own = jnp.zeros(num_tokens, jnp.int32).at[jnp.where(used, sample_rows, num_tokens)].set(sampled, mode="drop")
@@ -140,13 +140,14 @@ def mtp_drafts(
             g = _layer_pass(model, draft, g, pos, slot, step, pages, ops, when)
             draft = when(lambda g, i=i: choose(model.head(g), i), g)
             drafts.append(draft)
-        return jnp.stack(drafts, axis=1), *pages
+        return jnp.stack(drafts, axis=1), *pages, jnp.zeros_like(hidden), jnp.zeros_like(sampled)
 
     # A loop of one iteration or none, not a conditional: its carried pages are updated in
-    # place (a branch returning them is copied).
+    # place (a branch returning them is copied). Its inputs ride in the carry and come out
+    # spent, so XLA cannot hoist the pass out of the loop (to run when the loop does not).
     drafts = jnp.zeros((num_seqs, num_speculative_tokens), jnp.int32)
-    drafts, store[kv], store[kv + 1] = jax.lax.fori_loop(
-        0, jnp.any(speculates).astype(jnp.int32), run, (drafts, store[kv], store[kv + 1]))
+    drafts, store[kv], store[kv + 1], _, _ = jax.lax.fori_loop(
+        0, jnp.any(speculates).astype(jnp.int32), run, (drafts, store[kv], store[kv + 1], hidden, sampled))
     return drafts, pools.with_store(store, pools.states)
 
 
