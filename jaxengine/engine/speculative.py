@@ -164,14 +164,17 @@ class SpeculationGate:
 
     Per request (`admits`): whether a request admitted into a batch of S sequences speculates
     at all, against plain decode steps: until verify steps at S are timed, it does; then,
-    until plain decode steps at S are timed, it does not; then it does where verify steps pay
-    against plain ones, and otherwise every `wait`-th admission still does (a probe), the wait
-    doubling as above. A probe among S sequences makes every step of all S run the method's
+    until plain decode steps at S are timed, it does not; then it does where verify steps beat
+    plain ones by `admit_margin` (what step times leave out: the method's pass over the
+    request's prompt, the steps run plain to re-time, probes), and otherwise every `wait`-th
+    admission still does (a probe), the wait doubling as above. A probe among S sequences makes every step of all S run the method's
     pass while it lasts, so at S the wait is S times as long (`probe_every` x S, up to
     `max_probe_every` x S): probing then costs about the same share of the work at any S."""
 
-    def __init__(self, probe_every: int = 16, smoothing: float = 0.2, max_probe_every: int = 128, window: int = 5):
+    def __init__(self, probe_every: int = 16, smoothing: float = 0.2, max_probe_every: int = 128, window: int = 5,
+                 admit_margin: float = 0.2):
         self.probe_every = probe_every
+        self.admit_margin = admit_margin
         self.max_probe_every = max_probe_every
         self.smoothing = smoothing
         self.window = window
@@ -185,8 +188,10 @@ class SpeculationGate:
         self.retiming = False  # the last `open` said no to re-time a decode step
         self.admissions_off: dict[int, ProbeBackoff] = {}  # per bucket: when the next turned-away request speculates
 
-    def _verify_pays(self, num_seqs: int, decode: float) -> bool:
-        return self.emitted_per_seq * decode >= statistics.median(self.verify_seconds[num_seqs])
+    def _verify_pays(self, num_seqs: int, decode: float, margin: float = 0.0) -> bool:
+        """Whether verify steps emit `1 + margin` times the tokens per second of decode steps
+        taking `decode` seconds."""
+        return self.emitted_per_seq * decode >= (1 + margin) * statistics.median(self.verify_seconds[num_seqs])
 
     def pays(self, num_seqs: int) -> bool:
         """Whether verify steps of `num_seqs` sequences pay (against decode steps that do the
@@ -204,7 +209,7 @@ class SpeculationGate:
             return False
         off = self.admissions_off.setdefault(
             num_seqs, ProbeBackoff(self.probe_every * num_seqs, self.max_probe_every * num_seqs))
-        if self._verify_pays(num_seqs, statistics.median(self.plain_seconds[num_seqs])):
+        if self._verify_pays(num_seqs, statistics.median(self.plain_seconds[num_seqs]), self.admit_margin):
             off.reset()
             return True
         return off.due()

@@ -324,9 +324,10 @@ def test_one_slow_step_does_not_keep_the_gate_on():
 def test_the_gate_admits_requests_to_speculate_only_where_verify_steps_beat_plain_decode_steps():
     """Per request (the MTP method): speculate until verify steps are timed, then not until
     plain decode steps (no MTP pass) are timed, then where verify steps emit more tokens per
-    second than plain decode steps, else only every `wait`-th admission (a probe), the wait
-    S times as long at S sequences (a probe there makes all S pay the module's pass)."""
-    gate = SpeculationGate(probe_every=2, max_probe_every=4)
+    second than plain decode steps by the margin, else only every `wait`-th admission (a
+    probe), the wait S times as long at S sequences (a probe there makes all S pay the
+    module's pass)."""
+    gate = SpeculationGate(probe_every=2, max_probe_every=4, admit_margin=0.2)
     for s in (1, 4):
         assert gate.admits(s)  # nothing timed: speculate, to time verify steps
         gate.record_decode(s, 0.010, plain=False)  # a decode step with the MTP pass
@@ -339,8 +340,12 @@ def test_the_gate_admits_requests_to_speculate_only_where_verify_steps_beat_plai
     assert [i for i, a in enumerate(admitted) if a] == [1, 5]  # probes after 2 admissions off, then 4
     admitted = [gate.admits(4) for _ in range(30)]
     assert [i for i, a in enumerate(admitted) if a] == [7, 23]  # at 4 sequences: after 8, then 16
-    gate.record_verify(1, 0.012, emitted_per_seq=2.2)  # verify steps got cheaper: 183 tokens/s
-    gate.record_verify(1, 0.012, emitted_per_seq=2.2)
+    gate.record_verify(1, 0.016, emitted_per_seq=2.2)  # verify steps got cheaper: 137.5 tokens/s
+    gate.record_verify(1, 0.016, emitted_per_seq=2.2)
+    assert gate.pays(1)  # they beat plain's 125 tokens/s, but not by 20%: a probe, then off again
+    assert [gate.admits(1) for _ in range(4)] == [True, False, False, False]
+    for _ in range(3):
+        gate.record_verify(1, 0.012, emitted_per_seq=2.2)  # 183 tokens/s
     assert all(gate.admits(1) for _ in range(3))
     assert gate.admits(16)  # another batch size is timed on its own
 
