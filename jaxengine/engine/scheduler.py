@@ -16,9 +16,9 @@ Prefix caching (host side only; the device just follows the index arrays):
     room for them at their priority (`saves`); they become readable once the step has run.
 
 Speculation: whether a sequence speculates is decided as it is admitted (`speculates`). One
-that does not has no draft state kept for it (the MTP module's KV entries, the draft model's), so the cached
-pages and checkpoints it registers are marked as lacking it, and a sequence whose hit
-includes such a block does not speculate either.
+that does not has no draft state kept for it (the MTP module's KV entries, the draft model's
+KV entries and states), so the cached pages and checkpoints it registers are marked as
+lacking it, and a sequence whose hit includes such a block does not speculate either.
 """
 
 import collections
@@ -176,12 +176,14 @@ class Scheduler:
             hashes = extend_hashes(list(hashes), seq.tokens + drafts, self.page_size, root_hash(seq.cache_salt))
         return hashes
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
+    def _admit(self, seq: Sequence, budget: int, hit: bool = True) -> int:
         """Takes a waiting sequence into the running set; returns its first chunk's size
-        (0, and nothing taken, if its slots or pages cannot be had)."""
+        (0, and nothing taken, if its slots or pages cannot be had). With nothing running, a
+        sequence whose hit leaves too few blocks for the rest (its checkpoint's blocks pinned)
+        is taken without the hit (`hit=False`), the cache's content evicted as needed."""
         hashes = self._hashes(seq)[: (len(seq.tokens) - 1) // self.page_size]  # leave a token to compute
-        if seq.params.prompt_logprobs is not None:
-            hashes = []  # every prompt token's logits are asked for: computed, not hit (as in vLLM)
+        if seq.params.prompt_logprobs is not None or not hit:
+            hashes = []  # prompt_logprobs: every prompt token's logits are asked for, computed, not hit (as in vLLM)
         match = self.cache.match(hashes)
         slots = None
         if self.slots is not None:
@@ -200,6 +202,8 @@ class Scheduler:
             if slots:
                 self.slots.free(slots)
             seq.pages, seq.num_computed = [], 0
+            if (match.hit_pages or match.checkpoint is not None) and not self.running:  # nothing else frees blocks
+                return self._admit(seq, budget, hit=False)
             return 0
         seq.heat, continues = self.cache.record_hit(match)
         seq.num_registered_pages = match.hit_pages

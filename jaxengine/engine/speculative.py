@@ -167,9 +167,10 @@ class SpeculationGate:
     until plain decode steps at S are timed, it does not; then it does where verify steps beat
     plain ones by `admit_margin` (what step times leave out: the method's pass over the
     request's prompt, the steps run plain to re-time, probes), and otherwise every `wait`-th
-    admission still does (a probe), the wait doubling as above. A probe among S sequences makes every step of all S run the method's
-    pass while it lasts, so at S the wait is S times as long (`probe_every` x S, up to
-    `max_probe_every` x S): probing then costs about the same share of the work at any S."""
+    admission still does (a probe), the wait doubling as above. A probe among S sequences
+    makes every step of all S run the method's pass while it lasts, so at S the wait is S
+    times as long (`probe_every` x S, up to `max_probe_every` x S): probing then costs about
+    the same share of the work at any S."""
 
     def __init__(self, probe_every: int = 16, smoothing: float = 0.2, max_probe_every: int = 128, window: int = 5,
                  admit_margin: float = 0.2):

@@ -30,7 +30,8 @@ from jaxengine.models.mtp import DraftChooser
 
 def draft_model_drafts(
     draft, pools: Pools, batch: StepBatch, sample_rows: jax.Array, num_drafts: jax.Array, wants_drafts: jax.Array,
-    speculates: jax.Array, sampled: jax.Array, last: jax.Array, choose: DraftChooser, num_speculative_tokens: int, decode: bool,
+    speculates: jax.Array, sampled: jax.Array, last: jax.Array, choose: DraftChooser, num_speculative_tokens: int,
+    decode: bool,
 ) -> tuple[jax.Array, Pools]:
     """Runs the draft model over the step's tokens when some sequence `speculates` [S] and,
     when some sequence `wants_drafts` [S] (only speculating ones do), drafts
