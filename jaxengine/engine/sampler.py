@@ -152,10 +152,10 @@ def _filter(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     XLA:CPU sorts a row of 4,096 in about 0.6 ms, the searches cost a few passes over it."""
     vocab = logits.shape[-1]
     keys = _order_keys(logits)  # [R, V]
-    k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, vocab), vocab)[:, None]
+    k = jnp.where(sb.top_k > 0, jnp.minimum(sb.top_k, vocab), vocab)  # [R]
 
     def top_k(logits: jax.Array) -> jax.Array:  # the k-th largest key: the largest u with k keys >= u
-        kth = _largest(lambda u: jnp.sum(keys >= u[:, None], axis=-1) >= k[:, 0], keys.shape[0])
+        kth = _largest(lambda u: jnp.sum(keys >= u[:, None], axis=-1) >= k, keys.shape[0])
         return jnp.where(keys >= kth[:, None], logits, -jnp.inf)
 
     logits = jax.lax.cond(jnp.any(k < vocab), top_k, lambda logits: logits, logits)
@@ -175,7 +175,7 @@ def _filter(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
 
 def _order_keys(x: jax.Array) -> jax.Array:
     """float32 -> uint32 keys in the same order (-0.0 as 0.0; every number's key is above 0)."""
-    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x).astype(jnp.float32), jnp.uint32)
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 

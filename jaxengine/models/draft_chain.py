@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.models.batch import Pools, StepBatch, token_layout
-from jaxengine.models.mtp import DraftChooser
+from jaxengine.models.mtp import DraftChooser, if_in_place
 
 
 def draft_model_drafts(
@@ -41,14 +41,11 @@ def draft_model_drafts(
     sample_rows [S, W] flat token indices, num_drafts [S], sampled [S, W]: the step's samples;
     last [S]: each sequence's last accepted sample row (`last_accepted_rows`).
     Returns drafts [S, k] int32 (zeros when none is wanted) and the draft's pools after the step."""
-    # A loop of one iteration or none (its carried pools are updated in place; a branch
-    # returning them is copied): the pass runs only when some sequence speculates. The token
-    # ids ride in the carry and come out spent, so XLA cannot hoist work out of the loop.
-    def run(_, carry):
+    def run(carry):  # the pass over the step's tokens, only when some sequence speculates
         pools, ids = carry
         return draft(pools, dataclasses.replace(batch, input_ids=ids), decode=decode, hidden=True)[1], ids * 0
 
-    pools, _ = jax.lax.fori_loop(0, jnp.any(speculates).astype(jnp.int32), run, (pools, batch.input_ids))
+    pools, _ = if_in_place(jnp.any(speculates), run, (pools, batch.input_ids))
     num_seqs = sampled.shape[0]
     page_size = pools.k_pages[0].shape[1] if pools.k_pages else 1
     row = jnp.take_along_axis(sample_rows, last[:, None], axis=1)[:, 0]  # [S] flat token index

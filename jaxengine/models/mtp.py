@@ -112,7 +112,7 @@ def mtp_drafts(
     wanted = jnp.any(wants_drafts)
     when = functools.partial(_when, wanted)
 
-    def run(_, carry):  # the module's pass over the step's tokens, then the drafting
+    def run(carry):  # the module's pass over the step's tokens, then the drafting
         _, k_pages, v_pages, hidden, sampled = carry
         pages = [k_pages, v_pages]
         used = jnp.arange(width)[None, :] >= (width - 1 - num_drafts)[:, None]  # [S, W]: rows of real tokens
@@ -142,12 +142,9 @@ def mtp_drafts(
             drafts.append(draft)
         return jnp.stack(drafts, axis=1), *pages, jnp.zeros_like(hidden), jnp.zeros_like(sampled)
 
-    # A loop of one iteration or none, not a conditional: its carried pages are updated in
-    # place (a branch returning them is copied). Its inputs ride in the carry and come out
-    # spent, so XLA cannot hoist the pass out of the loop (to run when the loop does not).
     drafts = jnp.zeros((num_seqs, num_speculative_tokens), jnp.int32)
-    drafts, store[kv], store[kv + 1], _, _ = jax.lax.fori_loop(
-        0, jnp.any(speculates).astype(jnp.int32), run, (drafts, store[kv], store[kv + 1], hidden, sampled))
+    drafts, store[kv], store[kv + 1], _, _ = if_in_place(
+        jnp.any(speculates), run, (drafts, store[kv], store[kv + 1], hidden, sampled))
     return drafts, pools.with_store(store, pools.states)
 
 
@@ -169,6 +166,15 @@ def _layer_pass(model, ids: jax.Array, hidden: jax.Array, positions: jax.Array, 
     x, q, gate, k, v = when(project, ids, hidden, positions)
     pages[0], pages[1] = ops.write_kv_pages(pages[0], pages[1], k, v, slots)
     return when(finish, x, q, gate, pages[0], pages[1], batch)
+
+
+def if_in_place(flag: jax.Array, body: Callable, carry):
+    """`body(carry)` if `flag` (a bool scalar), else `carry`: a loop of one iteration or none,
+    not a conditional, so the arrays in `carry` are updated in place (XLA copies those a
+    branch returns). XLA hoists out of a loop what depends only on values it does not change,
+    and runs that whether the loop runs or not: `body` takes its inputs through `carry` and
+    returns them changed (spent) to keep its work inside."""
+    return jax.lax.fori_loop(0, flag.astype(jnp.int32), lambda _, carry: body(carry), carry)
 
 
 def _when(flag: jax.Array, fn, *args):
