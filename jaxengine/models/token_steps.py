@@ -37,7 +37,10 @@ def run_tokens(
     if width == 1:  # token s is sequence s's
         rows = [tuple(inputs)]
     else:
-        index = jnp.clip(batch.cu_q_lens[:-1, None] + jnp.arange(width), 0, num_tokens - 1)  # [S, w]
+        if num_seqs == 1:  # its tokens start at 0: with a constant index XLA slices the rows instead of
+            index = jnp.arange(width)[None]  # fusing a dynamic slice into every state element it computes
+        else:
+            index = jnp.clip(batch.cu_q_lens[:-1, None] + jnp.arange(width), 0, num_tokens - 1)  # [S, w]
         rows = [tuple(a[index[:, j]] for a in inputs) for j in range(width)]
     states, outs, after = tuple(initial), [], []
     for j, row in enumerate(rows):
