@@ -5,8 +5,11 @@ Python snippets of `configs/prompts/python_starts.jsonl`, once without speculati
 with each `--methods` configuration, at each batch size, greedy and at temperature 0.7 (top-p
 0.95). Every request produces exactly `--max-tokens` tokens (end-of-sequence ignored). Each
 timed run gets fresh prompts (a snippet behind a unique comment line), so no run is served from
-an earlier one's prefix cache; runs alternate between the engines and the median of
-`--repeats` is kept. All engines are warmed up (every step shape compiled) before timing.
+an earlier one's prefix cache; runs alternate between the engines, `--repeats` times. All
+engines are warmed up (every step shape compiled) before timing. A run takes well under a
+second, and on a shared machine one run in a few is slowed by others' work: many repeats,
+and the ratio taken per repeat (each speculative run against the plain run beside it) and
+then its median, keep such runs from deciding a ratio.
 Each speculative configuration runs in a process of its own beside a plain engine (XLA:CPU
 holds every compiled step of a process in memory: three warmed-up engines did not fit).
 Engine settings are the defaults but for `max_num_seqs` (the largest batch; 16 is also the
@@ -20,12 +23,13 @@ it with every greedy draft accepted (a bound on what a draft of that acceptance 
 its MTP module serves it as well as the model.
 
 Reported per row: output tokens/s of each engine (batch * max_tokens / wall time of one
-`generate` call, prefill included), the ratio speculative / plain, and the speculative engine's
+`generate` call, prefill included; the median of the repeats), the ratio speculative / plain
+(the median of the repeats' ratios), and the speculative engine's
 acceptance rate (accepted / drafted tokens) and mean accepted length (tokens emitted per
 verifying sequence-step, the bonus token included) over its timed runs.
 
 Usage (from the repository root):
-  PYTHONPATH=. python scripts/bench_spec_decode.py --batch-sizes 1 16 --max-tokens 96 --repeats 3 --json bench_spec_decode.json
+  PYTHONPATH=. python scripts/bench_spec_decode.py --batch-sizes 1 16 --max-tokens 96 --json bench_spec_decode.json
   PYTHONPATH=. python scripts/bench_spec_decode.py --pad-layers 66 --methods draft-default-k3 mtp-k2 --json padded.json
 """
 
@@ -74,7 +78,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=sorted(METHODS))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--pad-layers", type=int, default=0,
                         help="serve the model with this many zero-output Mamba2 layers added (see above)")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -157,12 +161,13 @@ def run(args: argparse.Namespace) -> None:
                 accepted = now["spec_accepted_tokens"] - then["spec_accepted_tokens"]
                 verifies = now["spec_verifies"] - then["spec_verifies"]
                 spec = statistics.median(speeds[name])
+                ratio = statistics.median(s / p for s, p in zip(speeds[name], speeds["plain"]))
                 rows.append(dict(batch=batch, sampling=label, method=name, plain_tokens_per_s=base,
-                                 spec_tokens_per_s=spec, ratio=spec / base,
+                                 spec_tokens_per_s=spec, ratio=ratio,
                                  acceptance_rate=accepted / drafted if drafted else 0.0,
                                  mean_accepted_length=1 + accepted / verifies if verifies else 1.0))
                 print(f"batch {batch:3d} {label:6s} {name:9s} plain {base:8.1f} tok/s  spec {spec:8.1f} tok/s  "
-                      f"ratio {spec / base:5.2f}  acceptance {rows[-1]['acceptance_rate']:.2f}  "
+                      f"ratio {ratio:5.2f}  acceptance {rows[-1]['acceptance_rate']:.2f}  "
                       f"mean accepted length {rows[-1]['mean_accepted_length']:.2f}")
     report = dict(date=datetime.date.today().isoformat(), machine=platform.processor() or platform.machine(),
                   cpus=jax.local_device_count(), jax=jax.__version__, model=str(args.model),

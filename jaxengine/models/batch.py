@@ -92,20 +92,21 @@ def token_layout(batch: StepBatch, page_size: int) -> TokenLayout:
     return TokenLayout(seq, valid, positions, slot_mapping, start_pos)
 
 
-def state_requests(batch: StepBatch) -> tuple[jax.Array, jax.Array]:
-    """Every (sequence, position) a step returns states at: its checkpoint saves, then a
-    verify step's draft positions ([C + P] each)."""
-    if not batch.state_seq.shape[0]:
-        return batch.save_seq, batch.save_pos
-    return jnp.concatenate([batch.save_seq, batch.state_seq]), jnp.concatenate([batch.save_pos, batch.state_pos])
-
-
-def states_at_requests(states_at, batch: StepBatch, window: int) -> jax.Array:
-    """`states_at(seq, pos, window)` for the checkpoint saves (`window`: the scan's row length)
-    then for a verify step's draft positions: those lie at most k + 1 tokens into their
-    sequence's segment (k = P / S, the drafts per sequence), so a window of k + 1 covers them."""
-    out = states_at(batch.save_seq, batch.save_pos, window)
-    if not batch.state_seq.shape[0]:
-        return out
+def states_at_requests(states_at, batch: StepBatch, window: int) -> tuple[jax.Array, jax.Array]:
+    """A mixed step's states at its state requests: `states_at(seq, pos, window)` for the
+    checkpoint saves ([C, ...]; `window`: the scan's row length) and for the draft positions
+    of the sequences it verifies ([P, ...]). Those lie at most k + 1 tokens into their
+    sequence's segment (k = P / S, the drafts per sequence), so a window of k + 1 covers them;
+    they are computed only when some sequence verifies drafts (a mixed step of a speculating
+    engine mostly verifies none: prefill chunks, or speculation turned off), else zeros (for
+    the null slot)."""
+    saves = states_at(batch.save_seq, batch.save_pos, window)
     short = min(window, batch.state_seq.shape[0] // batch.kv_lens.shape[0] + 1)
-    return jnp.concatenate([out, states_at(batch.state_seq, batch.state_pos, short)])
+
+    def at_drafts():
+        return states_at(batch.state_seq, batch.state_pos, short)
+
+    if not batch.state_seq.shape[0]:
+        return saves, at_drafts()  # [0, ...]
+    none = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(at_drafts))  # noqa: E731
+    return saves, jax.lax.cond(jnp.any(batch.state_pos >= 0), at_drafts, none)

@@ -58,10 +58,10 @@ class GatedDeltaMixer(nnx.Module):
         layout: TokenLayout,
         ops: KernelOps,
         decode: bool,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-        """Returns out [T, D], the states after this step and the states at the step's state
-        requests, checkpoint saves then draft positions (conv [C, conv_dim, K], recurrent
-        [C, Hv, dk, dv] float32)."""
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+        """Returns out [T, D], the states after this step, at the step's checkpoint saves
+        (conv [C, conv_dim, K], recurrent [C, Hv, dk, dv] float32) and at its draft positions
+        (the same with P rows)."""
         cfg = self.cfg
         num_tokens = x.shape[0]
         heads, dk, dv = cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim
@@ -84,24 +84,24 @@ class GatedDeltaMixer(nnx.Module):
                 o_t, recurrent = ops.gated_delta_update(recurrent, q_t, k_t, v_t, g_t, beta_t, scale=scale)
                 return (o_t,), (conv, recurrent)
 
-            (o,), final, saved = run_tokens(update, initial, (qkv, g, beta), batch, layout)
+            (o,), final, saved, at_drafts = run_tokens(update, initial, (qkv, g, beta), batch, layout)
         else:
             conv_in, state_in = initial
-            qkv, conv_out, save_conv = conv_step(ops, qkv, weight, None, conv_in, batch, layout)
+            qkv, conv_out, save_conv, conv_drafts = conv_step(ops, qkv, weight, None, conv_in, batch, layout)
             q, k, v = self._split(jax.nn.silu(qkv))
             scan = ops.ragged_gated_delta(
                 q, k, v, g, beta, state_in, batch.cu_q_lens, layout.start_pos, chunk_size=cfg.chunk_size, scale=scale
             )
             o, final = scan.o, (conv_out, scan.final_states)
-            save_state = states_at_requests(
+            save_state, state_drafts = states_at_requests(
                 lambda seq, pos, window: gated_delta_states_at(
                     k, v, g, beta, state_in, batch.cu_q_lens, layout.start_pos, scan, seq, pos, window=window
                 ),
                 batch, ops.scan_row(cfg.chunk_size),
             )
-            saved = (save_conv, save_state)
+            saved, at_drafts = (save_conv, save_state), (conv_drafts, state_drafts)
         o = self.norm(o.astype(x.dtype), z.reshape(num_tokens, heads, dv))
-        return self.out_proj(o.reshape(num_tokens, -1)), final, saved
+        return self.out_proj(o.reshape(num_tokens, -1)), final, saved, at_drafts
 
     def _split(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Activated q | k | v [N, conv_dim] -> L2-normalised q, k [N, Hk, dk] float32, v [N, Hv, dv]."""

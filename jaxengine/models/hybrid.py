@@ -66,9 +66,8 @@ class HybridLM(nnx.Module):
         fresh = layout.start_pos == 0  # [S]
         reads = not decode and batch.restore_blocks.shape[1] > 0  # decode steps never start from a hit
         hit = batch.restore_blocks[:, 0] > 0 if reads else None  # [S]
-        # A mixer returns states at the checkpoints' positions (the first C), then at a verify
-        # step's draft positions (for their live slots).
-        num_saves = batch.save_seq.shape[0]
+        # A mixer returns states at the checkpoints' positions (for the cache blocks) and at
+        # the draft positions of the sequences that verify (for their live slots).
 
         h = embeddings = self.embedding(batch.input_ids)
         attn_i = rec_i = 0
@@ -89,13 +88,12 @@ class HybridLM(nnx.Module):
                 else:
                     restored = ckpts.read(store, batch.restore_blocks, rec_i) if reads else None
                     initial = initial_states(states[rec_i], batch.read_slots, fresh, hit, restored)
-                    out, final, saved = getattr(layer, name)(x, initial, batch, layout, ops, decode)
+                    out, final, saved, at_drafts = getattr(layer, name)(x, initial, batch, layout, ops, decode)
                     states[rec_i] = written_pools(states[rec_i], batch.write_slots, final)
                     if batch.state_seq.shape[0]:
-                        at_positions = tuple(a[num_saves:] for a in saved)
-                        states[rec_i] = written_pools(states[rec_i], batch.state_slots, at_positions)
-                    if num_saves:
-                        ckpts.write(store, batch.save_blocks, rec_i, tuple(a[:num_saves] for a in saved))
+                        states[rec_i] = written_pools(states[rec_i], batch.state_slots, at_drafts)
+                    if batch.save_seq.shape[0]:
+                        ckpts.write(store, batch.save_blocks, rec_i, saved)
                     rec_i += 1
                 mixed.append(out)
             if mixed:

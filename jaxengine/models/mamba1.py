@@ -57,10 +57,10 @@ class Mamba1Mixer(nnx.Module):
         layout: TokenLayout,
         ops: KernelOps,
         decode: bool,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
         """Returns out [T, D], the states after this step (conv [S, d, K], SSM [S, d, N]
-        float32) and the states at the step's state requests (checkpoint saves, then draft
-        positions): conv [C, d, K] and SSM [C, d, N] float32."""
+        float32), at the step's checkpoint saves (conv [C, d, K], SSM [C, d, N] float32) and
+        at its draft positions (the same with P rows)."""
         cfg = self.cfg
         xs, z = jnp.split(self.in_proj(x), 2, axis=-1)  # [T, d] each
         weight, bias = self.conv_weight[...], self.conv_bias[...] if cfg.conv_bias else None
@@ -76,27 +76,27 @@ class Mamba1Mixer(nnx.Module):
                 y_t, ssm = ops.selective_state_update(ssm, u_t, dt_t, A, B_t, C_t)
                 return (y_t, u_t), (conv, ssm)
 
-            (y, u), final, saved = run_tokens(update, initial, (xs,), batch, layout)
+            (y, u), final, saved, at_drafts = run_tokens(update, initial, (xs,), batch, layout)
         else:
             conv_in, state_in = initial
-            conv_x, conv_out, save_conv = conv_step(ops, xs, weight, bias, conv_in, batch, layout)
+            conv_x, conv_out, save_conv, conv_drafts = conv_step(ops, xs, weight, bias, conv_in, batch, layout)
             u = jax.nn.silu(conv_x)
             dt, B, C = self._selection(u)
             scan = ops.ragged_selective_scan(
                 u, dt, A, B, C, state_in, batch.cu_q_lens, layout.start_pos, chunk_size=cfg.chunk_size
             )
             y, final = scan.y, (conv_out, scan.final_states)
-            save_ssm = states_at_requests(
+            save_ssm, ssm_drafts = states_at_requests(
                 lambda seq, pos, window: selective_states_at(
                     u, dt, A, B, state_in, batch.cu_q_lens, layout.start_pos, scan, seq, pos, window=window
                 ),
                 batch, ops.scan_row(cfg.chunk_size),
             )
-            saved = (save_conv, save_ssm)
+            saved, at_drafts = (save_conv, save_ssm), (conv_drafts, ssm_drafts)
 
         y = y + self.D[...].astype(jnp.float32) * u.astype(jnp.float32)
         y = (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
-        return self.out_proj(y), final, (saved[0], saved[1].astype(jnp.float32))
+        return self.out_proj(y), final, (saved[0], saved[1].astype(jnp.float32)), at_drafts
 
     def _selection(self, u: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Activated conv output u [N, d] -> dt [N, d] float32 (softplus), B and C [N, N_state]."""

@@ -55,10 +55,10 @@ class Mamba2Mixer(nnx.Module):
         layout: TokenLayout,
         ops: KernelOps,
         decode: bool,
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
         """Returns out [T, D], the states after this step (conv [S, conv_dim, K], SSM
-        [S, H, P, N] float32) and the states at the step's state requests (checkpoint saves,
-        then draft positions): conv [C, conv_dim, K] and SSM [C, H, P, N] float32."""
+        [S, H, P, N] float32), at the step's checkpoint saves (conv [C, conv_dim, K], SSM
+        [C, H, P, N] float32) and at its draft positions (the same with P rows)."""
         cfg = self.cfg
         num_tokens = x.shape[0]
         inner = cfg.intermediate_size
@@ -77,22 +77,22 @@ class Mamba2Mixer(nnx.Module):
                 y_t, ssm = ops.ssd_state_update(ssm, xs_t, dt_t, A, B_t, C_t)
                 return (y_t, xs_t), (conv, ssm)
 
-            (y, xs), final, saved = run_tokens(update, initial, (xbc, dt), batch, layout)
+            (y, xs), final, saved, at_drafts = run_tokens(update, initial, (xbc, dt), batch, layout)
         else:
             conv_in, state_in = initial
-            xbc, conv_out, save_conv = conv_step(ops, xbc, weight, bias, conv_in, batch, layout)
+            xbc, conv_out, save_conv, conv_drafts = conv_step(ops, xbc, weight, bias, conv_in, batch, layout)
             xs, B, C = self._split(jax.nn.silu(xbc))
             scan = ops.ragged_ssd_scan(
                 xs, dt, A, B, C, state_in, batch.cu_q_lens, layout.start_pos, chunk_size=cfg.chunk_size
             )
             y, final = scan.y, (conv_out, scan.final_states)
-            save_ssm = states_at_requests(
+            save_ssm, ssm_drafts = states_at_requests(
                 lambda seq, pos, window: ssd_states_at(
                     xs, dt, A, B, state_in, batch.cu_q_lens, layout.start_pos, scan, seq, pos, window=window
                 ),
                 batch, ops.scan_row(cfg.chunk_size),
             )
-            saved = (save_conv, save_ssm)
+            saved, at_drafts = (save_conv, save_ssm), (conv_drafts, ssm_drafts)
 
         y = y + self.D[...].astype(jnp.float32)[:, None] * xs.astype(jnp.float32)
         y = y.reshape(num_tokens, inner)
@@ -100,7 +100,7 @@ class Mamba2Mixer(nnx.Module):
             y = (y * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
         else:
             y = self.norm(y, z).astype(x.dtype)  # norm in float32, like the reference
-        return self.out_proj(y), final, (saved[0], saved[1].astype(jnp.float32))
+        return self.out_proj(y), final, (saved[0], saved[1].astype(jnp.float32)), at_drafts
 
     def _split(self, xbc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Activated xBC [N, conv_dim] -> x [N, H, P], B [N, G, N_state], C [N, G, N_state]."""

@@ -9,11 +9,13 @@ checkpoints in the cache blocks (`checkpoint_store.py`), byte accounting
 sequence's states before the step and returns them after it:
 
     step(x [T, D], initial: tuple of [S, *shape], batch, layout, ops, decode)
-        -> out [T, D], final: tuple of [S, *shape], saved: tuple of [C, *shape]
+        -> out [T, D], final: tuple of [S, *shape], saved: tuple of [C, *shape],
+           at_drafts: tuple of [P, *shape]
 
 where `saved[i][c]` is the state after absolute position `batch.save_pos[c]` of sequence
-`batch.save_seq[c]` (the checkpoints this step stores), followed in a verify step by the
-states after its draft positions (`batch.state_requests`: `state_seq`, `state_pos`).
+`batch.save_seq[c]` (the checkpoints this step stores) and `at_drafts[i][p]` the state after
+position `batch.state_pos[p]` of sequence `batch.state_seq[p]` (the draft positions of the
+sequences it verifies, for their live slots; P = 0 unless speculating).
 """
 
 import dataclasses

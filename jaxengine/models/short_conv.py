@@ -45,9 +45,9 @@ class ShortConvMixer(nnx.Module):
         layout: TokenLayout,
         ops: KernelOps,
         decode: bool,
-    ) -> tuple[jax.Array, tuple[jax.Array], tuple[jax.Array]]:
-        """Returns out [T, D], the conv windows after this step [S, D, K] and at the step's
-        state requests (checkpoint saves, then draft positions) [C, D, K]."""
+    ) -> tuple[jax.Array, tuple[jax.Array], tuple[jax.Array], tuple[jax.Array]]:
+        """Returns out [T, D], the conv windows after this step [S, D, K], at the step's
+        checkpoint saves [C, D, K] and at its draft positions [P, D, K]."""
         B, C, xs = jnp.split(self.in_proj(x), 3, axis=-1)
         gated = B * xs  # [T, D]: what the conv sees
         weight, bias = self.conv_weight[...], self.conv_bias[...] if self.cfg.bias else None
@@ -59,8 +59,8 @@ class ShortConvMixer(nnx.Module):
                 out_t, conv = ops.causal_conv1d_update(gated_t, weight, bias, conv)
                 return (out_t,), (conv,)
 
-            (conv_out,), final, saved = run_tokens(update, initial, (gated,), batch, layout)
+            (conv_out,), final, saved, at_drafts = run_tokens(update, initial, (gated,), batch, layout)
         else:
-            conv_out, after, save_conv = conv_step(ops, gated, weight, bias, initial[0], batch, layout)
-            final, saved = (after,), (save_conv,)
-        return self.out_proj(C * conv_out), final, saved
+            conv_out, after, save_conv, conv_drafts = conv_step(ops, gated, weight, bias, initial[0], batch, layout)
+            final, saved, at_drafts = (after,), (save_conv,), (conv_drafts,)
+        return self.out_proj(C * conv_out), final, saved, at_drafts

@@ -27,10 +27,10 @@ def run_tokens(
     inputs: tuple[jax.Array, ...],  # each [T, ...]
     batch: StepBatch,
     layout: TokenLayout,
-) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """Returns the outputs at every token (each [T, ...]), each sequence's states after its
-    last token (each [S, *shape]) and the states at the step's state requests (checkpoint
-    saves, then draft positions; each [C (+ P), *shape])."""
+    last token (each [S, *shape]), and the states at the step's checkpoint saves (each
+    [C, *shape]) and at its draft positions (each [P, *shape])."""
     num_tokens, num_seqs = batch.input_ids.shape[0], batch.kv_lens.shape[0]
     width = num_tokens // num_seqs
     q_lens = batch.cu_q_lens[1:] - batch.cu_q_lens[:-1]  # [S]
@@ -54,7 +54,7 @@ def run_tokens(
         after.append(states)
 
     if width == 1:
-        return outs[0], states, tuple(s[batch.save_seq] for s in states)  # saves only: no drafts
+        return outs[0], states, tuple(s[batch.save_seq] for s in states), tuple(s[:0] for s in states)  # no drafts
     local = jnp.clip(layout.positions - layout.start_pos[layout.seq], 0, width - 1)  # [T]: row of each token
     outputs = tuple(jnp.stack(o, axis=1)[layout.seq, local] for o in zip(*outs))  # [S, w, ...] -> [T, ...]
     # A checkpoint save picks the state after its position from the w candidates.
@@ -66,10 +66,8 @@ def run_tokens(
             hit = (save_row == j).reshape((-1,) + (1,) * (final.ndim - 1))
             picked = jnp.where(hit, after[j][i][batch.save_seq], picked)
         saves.append(picked)
-    if not batch.state_seq.shape[0]:
-        return outputs, states, tuple(saves)
     # Draft position p = s * k + j is sequence s's state after its pending token and j drafts.
     k = batch.state_seq.shape[0] // num_seqs
-    at = tuple(jnp.concatenate([c, jnp.stack([after[j][i] for j in range(k)], axis=1).reshape(-1, *c.shape[1:])])
-               for i, c in enumerate(saves))
-    return outputs, states, at
+    at_drafts = tuple(jnp.stack([after[j][i] for j in range(k)], axis=1).reshape(-1, *s.shape[1:]) if k else s[:0]
+                      for i, s in enumerate(states))
+    return outputs, states, tuple(saves), at_drafts

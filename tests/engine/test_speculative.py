@@ -126,6 +126,10 @@ def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_p
     save_tiny_model(arch, tmp_path)
     llm = LLM(tmp_path, speculative_config=NGRAM, **ARGS)
     llm.engine.draft = lambda seq, limit: []
+    verified_in = set()  # the kinds of step (decode or not) that verified drafts
+    sample = llm.engine.runner.sample
+    llm.engine.runner.sample = lambda batch, sampling, decode: (
+        verified_in.add(decode) if np.any(sampling.num_drafts > 0) else None, sample(batch, sampling, decode))[1]
     first = llm.generate(_prompts()[2:3], _params(0)[0], use_tqdm=False)[0].outputs[0].token_ids
     stop_id = first[5]  # a token the third prompt's output reaches
     want = _run(llm, stop_id)
@@ -146,6 +150,7 @@ def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_p
     after = llm.stats()
     assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] == (
         after["spec_draft_tokens"] - before["spec_draft_tokens"]) > 0  # every draft accepted
+    assert verified_in == {True, False}  # in verify steps, and in mixed steps beside a prefill
 
     llm.engine.draft = _oracle(continuation, wrong=True)
     if llm.engine.scheduler.slots is not None:
