@@ -7,8 +7,14 @@ step (k + 1 tokens per sequence); an MTP engine's decode step with no sequence s
 its verify step (drafting). Engines as a user gets them but for
 `max_model_len` (512) and `num_speculative_tokens` (`--k`, 2).
 
+`--mixed-tokens T` also times the plain and the MTP engine's mixed step of T tokens at each
+batch size, sampled at temperature 0.7 (top-p 0.95) with no sequence verifying drafts (a
+prompt's step, or speculation turned off): the two executables called alternately (median of
+60 each), as what speculation that does not run still costs a mixed step.
+
 Usage (from the repository root):
   PYTHONPATH=. python scripts/bench_verify_steps.py --batch-sizes 1 16
+  PYTHONPATH=. python scripts/bench_verify_steps.py --batch-sizes 16 --mixed-tokens 512
 """
 
 import argparse
@@ -40,10 +46,33 @@ def step_ms(llm: LLM, shape: Shape, drafting: bool, runs: int = 30, speculating:
     return 1e3 * statistics.median(times)
 
 
+def mixed_ms(engines: list[LLM], num_tokens: int, num_seqs: int, runs: int = 60) -> list[float]:
+    """Each engine's mixed step of `num_tokens` tokens and `num_seqs` sequences on an
+    all-padding batch sampled at temperature 0.7, the engines' executables called in turn."""
+    steps = []
+    for llm in engines:
+        engine = llm.engine
+        shape = next(s for s in engine.shapes() if not s.decode and (s.num_tokens, s.num_seqs) == (num_tokens, num_seqs))
+        batch, sampling = engine.builder.empty(shape)
+        sampling = dataclasses.replace(sampling, temperature=np.full_like(sampling.temperature, 0.7),
+                                       top_p=np.full_like(sampling.top_p, 0.95))
+        steps.append((engine.runner, engine.runner.executable(batch, sampling, decode=False), batch, sampling))
+    times = [[] for _ in engines]
+    for i in range(runs):
+        for j in range(len(steps)) if i % 2 else reversed(range(len(steps))):
+            runner, executable, batch, sampling = steps[j]
+            start = time.perf_counter()
+            out, runner.draft_pools, runner.pools = runner.run_executable(executable, batch, sampling)
+            np.asarray(out.tokens)
+            times[j].append(time.perf_counter() - start)
+    return [1e3 * statistics.median(t) for t in times]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--mixed-tokens", type=int, default=None, help="also time mixed steps of this many tokens")
     args = parser.parse_args()
     engine_args = dict(max_model_len=512, max_num_seqs=max(args.batch_sizes), warm_up=False,
                        compilation_cache_dir=None)
@@ -58,6 +87,10 @@ def main() -> None:
         times = (step_ms(plain, decode, False), step_ms(ngram, verify, False), step_ms(mtp, decode, False),
                  step_ms(mtp, decode, False, speculating=True), step_ms(mtp, decode, True), step_ms(mtp, verify, True))
         print(f"{n:4d} | " + " | ".join(f"{t:.2f}" for t in times))
+    if args.mixed_tokens:
+        print(f"seqs | plain mixed step, {args.mixed_tokens} tokens | MTP mixed step, no drafts (ms)")
+        for n in args.batch_sizes:
+            print(f"{n:4d} | " + " | ".join(f"{t:.2f}" for t in mixed_ms([plain, mtp], args.mixed_tokens, n)))
 
 
 if __name__ == "__main__":

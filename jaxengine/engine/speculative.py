@@ -147,7 +147,8 @@ class SpeculationGate:
 
     It keeps, per sequence bucket S, the seconds of the last `window` decode steps and verify
     steps run (whole steps: scheduling, the device's work and the host's), and the mean tokens
-    a verify step emits per drafting sequence (an exponential average). Times are taken as
+    a verify step emits per drafting sequence (an exponential average; per bucket, as the
+    requests, and so the acceptance, differ between the times a workload runs at each). Times are taken as
     the median of their window, so one slow step (the first run of an executable, a pause of
     the host) does not decide for long. Decode steps come in two kinds: those that do the
     method's own work for speculating sequences (the MTP module's pass over every token, the
@@ -183,7 +184,7 @@ class SpeculationGate:
         self.decode_seconds: dict[int, collections.deque[float]] = {}
         self.plain_seconds: dict[int, collections.deque[float]] = {}
         self.verify_seconds: dict[int, collections.deque[float]] = {}
-        self.emitted_per_seq: float | None = None  # tokens a verify step emits per drafting sequence (bonus included)
+        self.emitted_per_seq: dict[int, float] = {}  # per bucket: tokens a verify step emits per drafting sequence
         self.steps_on = 0  # steps since speculation last turned on
         self.steps_off = ProbeBackoff(probe_every, max_probe_every)  # steps off: when the next verifies
         self.retiming = False  # the last `open` said no to re-time a decode step
@@ -192,7 +193,7 @@ class SpeculationGate:
     def _verify_pays(self, num_seqs: int, decode: float, margin: float = 0.0) -> bool:
         """Whether verify steps emit `1 + margin` times the tokens per second of decode steps
         taking `decode` seconds."""
-        return self.emitted_per_seq * decode >= (1 + margin) * statistics.median(self.verify_seconds[num_seqs])
+        return self.emitted_per_seq[num_seqs] * decode >= (1 + margin) * statistics.median(self.verify_seconds[num_seqs])
 
     def pays(self, num_seqs: int) -> bool:
         """Whether verify steps of `num_seqs` sequences pay (against decode steps that do the
@@ -250,8 +251,8 @@ class SpeculationGate:
 
     def record_verify(self, num_seqs: int, seconds: float, emitted_per_seq: float) -> None:
         self.verify_seconds.setdefault(num_seqs, collections.deque(maxlen=self.window)).append(seconds)
-        old = self.emitted_per_seq
-        self.emitted_per_seq = emitted_per_seq if old is None else old + self.smoothing * (emitted_per_seq - old)
+        old = self.emitted_per_seq.get(num_seqs, emitted_per_seq)
+        self.emitted_per_seq[num_seqs] = old + self.smoothing * (emitted_per_seq - old)
 
 
 @dataclasses.dataclass

@@ -355,6 +355,19 @@ def test_the_gate_admits_requests_to_speculate_only_where_verify_steps_beat_plai
     assert gate.admits(16)  # another batch size is timed on its own
 
 
+def test_acceptance_at_one_batch_size_does_not_decide_another():
+    """Each bucket keeps its own tokens per verify step: a run at one sequence that accepts
+    every draft does not make verify steps at 16 look as if they paid."""
+    gate = SpeculationGate(admit_margin=0.2)
+    gate.record_decode(16, 0.010, plain=True)
+    gate.record_verify(16, 0.025, emitted_per_seq=2.0)  # 80 tokens/s per sequence against 100
+    assert not gate.admits(16) and not gate.pays(16)
+    for _ in range(20):
+        gate.record_verify(1, 0.003, emitted_per_seq=3.0)  # every draft accepted at one sequence
+    assert gate.emitted_per_seq[16] == 2.0
+    assert not gate.admits(16) and not gate.pays(16)
+
+
 def test_adaptive_is_on_by_default_and_must_be_a_bool():
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}, 64).adaptive
     with pytest.raises(ValueError, match="speculative_config.adaptive"):
