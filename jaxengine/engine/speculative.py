@@ -150,10 +150,10 @@ class SpeculationGate:
     a verify step emits per drafting sequence (an exponential average; per bucket too, as the
     requests, and so the acceptance, differ between the times a workload runs at each). Times
     are taken as the median of their window, so one slow step (the first run of an
-    executable, a pause of the host) does not decide for long. Decode steps come in two kinds: those that do the
-    method's own work for speculating sequences (the MTP module's pass over every token, the
-    draft model's), the alternative to verifying for a sequence that speculates, and plain
-    ones (no such work), the alternative to speculating at all.
+    executable, a pause of the host) does not decide for long. Decode steps come in two
+    kinds: those that do the method's own work for speculating sequences (the MTP module's
+    pass over every token, the draft model's), the alternative to verifying for a sequence
+    that speculates, and plain ones (no such work), the alternative to speculating at all.
 
     Step by step (`open`): a verify step pays when it emits more tokens per second than a
     decode step: emitted / t_verify >= 1 / t_decode. Until both times are known it measures

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxengine.models.conditional import when
 from pallas_kernels.ragged import token_segments
 
 
@@ -108,5 +109,4 @@ def states_at_requests(states_at, batch: StepBatch, window: int) -> tuple[jax.Ar
 
     if not batch.state_seq.shape[0]:
         return saves, at_drafts()  # [0, ...]
-    none = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(at_drafts))  # noqa: E731
-    return saves, jax.lax.cond(jnp.any(batch.state_pos >= 0), at_drafts, none)
+    return saves, when(jnp.any(batch.state_pos >= 0), at_drafts)

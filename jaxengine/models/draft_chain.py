@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.models.batch import Pools, StepBatch, token_layout
-from jaxengine.models.mtp import DraftChooser, if_in_place
+from jaxengine.models.conditional import if_in_place
+from jaxengine.models.mtp import DraftChooser
 
 
 def draft_model_drafts(

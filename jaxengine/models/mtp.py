@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.models.batch import Pools, StepBatch, token_layout
+from jaxengine.models.conditional import if_in_place, when
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.decoder_layer import DecoderLayer, add_residual
 from jaxengine.models.kernels import KernelOps
@@ -110,7 +111,7 @@ def mtp_drafts(
     num_tokens = batch.input_ids.shape[0]
     num_seqs, width = sampled.shape
     wanted = jnp.any(wants_drafts)
-    when = functools.partial(_when, wanted)
+    when_wanted = functools.partial(when, wanted)
 
     def run(carry):  # the module's pass over the step's tokens, then the drafting
         _, k_pages, v_pages, hidden, sampled = carry
@@ -123,7 +124,7 @@ def mtp_drafts(
 
         row = jnp.take_along_axis(sample_rows, last[:, None], axis=1)[:, 0]  # [S] flat token index
         g = g[row]  # [S, D]
-        draft = when(lambda g: choose(model.head(g), 0), g)
+        draft = when_wanted(lambda g: choose(model.head(g), 0), g)
         drafts = [draft]
         start = layout.positions[row]  # [S]
         pages_per_seq = batch.page_table.shape[1]
@@ -137,8 +138,8 @@ def mtp_drafts(
             page = batch.page_table[seqs, jnp.minimum(pos // page_size, pages_per_seq - 1)]
             slot = jnp.where(wanted & (pos < capacity), page * page_size + pos % page_size, 0)
             step = dataclasses.replace(step, kv_lens=jnp.minimum(pos + 1, capacity))
-            g = _layer_pass(model, draft, g, pos, slot, step, pages, ops, when)
-            draft = when(lambda g, i=i: choose(model.head(g), i), g)
+            g = _layer_pass(model, draft, g, pos, slot, step, pages, ops, when_wanted)
+            draft = when_wanted(lambda g, i=i: choose(model.head(g), i), g)
             drafts.append(draft)
         return jnp.stack(drafts, axis=1), *pages, jnp.zeros_like(hidden), jnp.zeros_like(sampled)
 
@@ -149,12 +150,12 @@ def mtp_drafts(
 
 
 def _layer_pass(model, ids: jax.Array, hidden: jax.Array, positions: jax.Array, slots: jax.Array, batch: StepBatch,
-                pages: list[jax.Array], ops: KernelOps, when=None) -> jax.Array:
+                pages: list[jax.Array], ops: KernelOps, guard=None) -> jax.Array:
     """The module over tokens `ids` [N] after hidden states `hidden` [N, D] at `positions`,
     writing their K/V to `slots` of the pages [K, V] (in place in `pages`) -> g [N, D].
-    `when(fn, *args)`, if given, runs the compute under a condition."""
+    `guard(fn, *args)`, if given, runs the compute under a condition."""
     mtp, layer = model.mtp, model.mtp.layers[0]
-    when = when or (lambda fn, *args: fn(*args))
+    guard = guard or (lambda fn, *args: fn(*args))
 
     def project(ids, hidden, positions):
         x = mtp.inputs(model.embedding(ids), hidden)
@@ -163,20 +164,6 @@ def _layer_pass(model, ids: jax.Array, hidden: jax.Array, positions: jax.Array, 
     def finish(x, q, gate, k_pages, v_pages, batch):
         return mtp.outputs(model.cfg, x, layer.attention.attend(q, gate, k_pages, v_pages, batch, ops))
 
-    x, q, gate, k, v = when(project, ids, hidden, positions)
+    x, q, gate, k, v = guard(project, ids, hidden, positions)
     pages[0], pages[1] = ops.write_kv_pages(pages[0], pages[1], k, v, slots)
-    return when(finish, x, q, gate, pages[0], pages[1], batch)
-
-
-def if_in_place(flag: jax.Array, body: Callable, carry):
-    """`body(carry)` if `flag` (a bool scalar), else `carry`: a loop of one iteration or none,
-    not a conditional, so the arrays in `carry` are updated in place (XLA copies those a
-    branch returns). XLA hoists out of a loop what depends only on values it does not change,
-    and runs that whether the loop runs or not: `body` takes its inputs through `carry` and
-    returns them changed (spent) to keep its work inside."""
-    return jax.lax.fori_loop(0, flag.astype(jnp.int32), lambda _, carry: body(carry), carry)
-
-
-def _when(flag: jax.Array, fn, *args):
-    """`fn(*args)` if `flag`, else zeros shaped as its result (a `lax.cond`)."""
-    return jax.lax.cond(flag, fn, lambda *a: jax.tree.map(jnp.zeros_like, jax.eval_shape(fn, *a)), *args)
+    return guard(finish, x, q, gate, pages[0], pages[1], batch)
