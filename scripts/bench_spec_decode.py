@@ -5,11 +5,13 @@ Python snippets of `configs/prompts/python_starts.jsonl`, once without speculati
 with each `--methods` configuration, at each batch size, greedy and at temperature 0.7 (top-p
 0.95). Every request produces exactly `--max-tokens` tokens (end-of-sequence ignored). Each
 timed run gets fresh prompts (a snippet behind a unique comment line), so no run is served from
-an earlier one's prefix cache; runs alternate between the engines, `--repeats` times. All
-engines are warmed up (every step shape compiled) before timing. A run takes well under a
-second, and on a shared machine one run in a few is slowed by others' work: many repeats,
-and the ratio taken per repeat (each speculative run against the plain run beside it) and
-then its median, keep such runs from deciding a ratio.
+an earlier one's prefix cache; runs alternate between the engines, `--repeats` times, the
+order reversed every other repeat (of two identical plain engines run in a fixed order, the
+second measured 2.5-4.5% slower in three of four settings; `--methods plain-control` runs
+such a pair). All engines are warmed up (every step shape compiled) before timing. A run
+takes well under a second, and on a shared machine one run in a few is slowed by others'
+work: many repeats, and the ratio taken per repeat (each speculative run against the plain
+run beside it) and then its median, keep such runs from deciding a ratio.
 Each speculative configuration runs in a process of its own beside a plain engine (XLA:CPU
 holds every compiled step of a process in memory: three warmed-up engines did not fit).
 Engine settings are the defaults but for `max_num_seqs` (the largest batch; 16 is also the
@@ -68,6 +70,8 @@ METHODS = {
     "draft-default-k3": {"method": "draft_model", "model": str(DEFAULT_MODEL), "num_speculative_tokens": 3},
     "draft-default-k3-always": {"method": "draft_model", "model": str(DEFAULT_MODEL), "num_speculative_tokens": 3,
                                 "adaptive": False},
+    # No speculation: a second plain engine, whose ratio shows what the measurement itself gives.
+    "plain-control": None,
 }
 SAMPLING = {"greedy": dict(temperature=0.0), "t0.7": dict(temperature=0.7, top_p=0.95)}
 
@@ -78,7 +82,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=sorted(METHODS))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=16)
     parser.add_argument("--pad-layers", type=int, default=0,
                         help="serve the model with this many zero-output Mamba2 layers added (see above)")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -151,15 +155,16 @@ def run(args: argparse.Namespace) -> None:
                 timed(llm, fresh_prompts(batch, run := run + 1), params)
             before = {name: llm.stats() for name, llm in specs.items()}
             speeds: dict[str, list[float]] = {"plain": [], **{name: [] for name in specs}}
-            for _ in range(args.repeats):
-                for name, llm in (("plain", plain), *specs.items()):
+            engines = [("plain", plain), *specs.items()]
+            for repeat in range(args.repeats):
+                for name, llm in engines if repeat % 2 == 0 else engines[::-1]:  # each engine in turn first and last
                     speeds[name].append(timed(llm, fresh_prompts(batch, run := run + 1), params))
             base = statistics.median(speeds["plain"])
             for name, llm in specs.items():
                 now, then = llm.stats(), before[name]
-                drafted = now["spec_draft_tokens"] - then["spec_draft_tokens"]
-                accepted = now["spec_accepted_tokens"] - then["spec_accepted_tokens"]
-                verifies = now["spec_verifies"] - then["spec_verifies"]
+                drafted = now.get("spec_draft_tokens", 0) - then.get("spec_draft_tokens", 0)
+                accepted = now.get("spec_accepted_tokens", 0) - then.get("spec_accepted_tokens", 0)
+                verifies = now.get("spec_verifies", 0) - then.get("spec_verifies", 0)
                 spec = statistics.median(speeds[name])
                 ratio = statistics.median(s / p for s, p in zip(speeds[name], speeds["plain"]))
                 rows.append(dict(batch=batch, sampling=label, method=name, plain_tokens_per_s=base,

@@ -114,9 +114,8 @@ class LLMEngine:
         # Whether this step drafts: always, or with `adaptive` (the default) while it pays.
         self.gate = SpeculationGate() if self.speculative and self.speculative.adaptive else None
         self.drafting = self.speculative is not None
-        # (sequence, at most) -> drafts
-        self.draft: Callable[[Sequence, int], list[int]] = (
-            (lambda seq, limit: seq.step_drafts) if self.drafts_in_step else self._ngram_draft)
+        # ngram's proposer: (sequence, at most) -> drafts.
+        self.draft: Callable[[Sequence, int], list[int]] = self._ngram_draft
         slots = LiveSlots(config.resolved_num_ssm_slots()) if cfg.num_recurrent_layers else None
         if slots is not None and slots.num_live < 2 + k:
             raise ValueError(f"engine argument num_ssm_slots={slots.num_live} is below the {2 + k} slots one sequence "
@@ -388,10 +387,7 @@ class LLMEngine:
                     seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq.tokens))
         if limit < 1 or not self.drafting or seq.bad_word_ids:  # bad words: bans depend on each drafted token
             return []
-        start = time.perf_counter()
-        drafts = self.draft(seq, limit)[:limit]
-        self.spec_stats.draft_seconds += time.perf_counter() - start
-        return drafts
+        return seq.step_drafts[:limit]
 
     def _admits(self, num_seqs: int, hit_has_draft_state: bool) -> bool:
         """Whether a sequence admitted into a batch of `num_seqs` speculates: not where its
@@ -405,12 +401,33 @@ class LLMEngine:
         self.spec_stats.requests_not_speculating += not speculates
         return speculates
 
-    def _may_draft_next(self, num_seqs: int) -> bool:
+    def _may_draft_next(self, seqs: list[Sequence], num_seqs: int) -> bool:
         """Whether the next step may verify drafts (the MTP module or draft model then drafts
         in this one; not in a step the gate runs plain to time it)."""
         if self.gate is None:
             return self.drafting
-        return not self.gate.retiming and self.gate.may_open_next(num_seqs)
+        return not self.gate.retiming and self.gate.may_open_next(num_seqs, _share_speculating(seqs))
+
+    def _open(self) -> None:
+        """Decides whether this step drafts (`drafting`); for ngram, proposes the drafts."""
+        running = self.scheduler.running
+        bucket = self.builder.seq_bucket(max(1, len(running)))
+        if self.gate is not None:
+            self.drafting = self.gate.open(bucket, _share_speculating(running))
+        if self.drafting and not self.drafts_in_step:
+            with_drafts = self._ngram_proposals(running)
+            if self.gate is not None and not self.gate.probing:  # not enough drafts for a verify step to pay
+                self.drafting = self.gate.pays(bucket, with_drafts / max(1, len(running)))
+
+    def _ngram_proposals(self, running: list[Sequence]) -> int:
+        """Sets each running sequence's drafts for this step (`step_drafts`, by prompt lookup;
+        only a sequence about to decode has some); how many have some."""
+        start = time.perf_counter()
+        k = self.speculative.num_speculative_tokens
+        for seq in running:
+            seq.step_drafts = self.draft(seq, k) if seq.num_uncomputed == 1 else []
+        self.spec_stats.draft_seconds += time.perf_counter() - start
+        return sum(1 for seq in running if seq.step_drafts)
 
     def _ngram_draft(self, seq: Sequence, limit: int) -> list[int]:
         spec = self.speculative
@@ -418,14 +435,14 @@ class LLMEngine:
 
     def _step(self) -> list[Sequence]:
         step_start = time.perf_counter()
-        if self.gate is not None:
-            self.drafting = self.gate.open(self.builder.seq_bucket(max(1, len(self.scheduler.running))))
+        if self.speculative is not None:
+            self._open()
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             raise RuntimeError("nothing could be scheduled although requests are pending")
         self._note_pool_use()
         shape = self._shape_for(scheduled)
-        drafting_next = self.drafts_in_step and self._may_draft_next(shape.num_seqs)  # this step drafts for the next
+        drafting_next = self.drafts_in_step and self._may_draft_next(scheduled.seqs, shape.num_seqs)  # for the next
         batch, sampling = self.builder.build(scheduled, shape, drafting=drafting_next)
         start = time.perf_counter()
         out = self.runner.sample(batch, sampling, decode=shape.decode)
@@ -661,3 +678,8 @@ def _covers(big: Shape, small: Shape) -> bool:
             and big.num_saves >= small.num_saves and (big.decode == small.decode or not big.decode)
             and (not big.decode or big.num_tokens // big.num_seqs >= small.num_tokens // small.num_seqs)
             and big.sample_width >= small.sample_width and big.num_position_states >= small.num_position_states)
+
+
+def _share_speculating(seqs: list[Sequence]) -> float:
+    """The share of `seqs` admitted to speculate."""
+    return sum(1 for seq in seqs if seq.speculates) / max(1, len(seqs))

@@ -161,6 +161,7 @@ class Scheduler:
         seq.num_computed = seq.num_registered_pages = 0
         seq.junction = 0
         seq.hit_checkpoint = seq.prompt_checkpoint = seq.trailing_checkpoint = None
+        seq.step_drafts = []  # made from the state just let go
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -63,7 +63,8 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] = dataclasses.field(default_factory=lambda: [None])
     cumulative_logprob: float = 0.0  # of its chosen tokens (kept when logprobs are asked)
-    step_drafts: list[int] = dataclasses.field(default_factory=list)  # drafts its last step made for its next (mtp, draft_model)
+    # Drafts for its next step: its last step made them (mtp, draft_model), or prompt lookup (ngram).
+    step_drafts: list[int] = dataclasses.field(default_factory=list)
     # Whether it speculates (drafts, and has the draft's state kept for it), decided at admission.
     speculates: bool = False
 

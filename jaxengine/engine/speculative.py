@@ -156,7 +156,13 @@ class SpeculationGate:
     that speculates, and plain ones (no such work), the alternative to speculating at all.
 
     Step by step (`open`): a verify step pays when it emits more tokens per second than a
-    decode step: emitted / t_verify >= 1 / t_decode. Until both times are known it measures
+    decode step. A verify step costs the same however many of its S sequences draft, and
+    emits one token per sequence plus the drafts kept, so with a share f of the sequences
+    drafting it pays when 1 + f * (emitted - 1) >= t_verify / t_decode (emitted: per
+    drafting sequence). Where the share is known only once the drafts are (ngram's proposals,
+    made on the host as the step is scheduled), `open` decides as if every sequence drafted
+    and `pays` is asked again with the share (`probing` tells a probe, which verifies
+    whatever the share). Until both times are known it measures
     them (a decode step first, then verify steps). Both estimates stay fresh: while
     speculation pays, every `probe_every`-th step is a decode one (re-timing it); while it does
     not, a probe still verifies after `probe_every` steps off, so a change in acceptance or in
@@ -188,20 +194,22 @@ class SpeculationGate:
         self.steps_on = 0  # steps since speculation last turned on
         self.steps_off = ProbeBackoff(probe_every, max_probe_every)  # steps off: when the next verifies
         self.retiming = False  # the last `open` said no to re-time a decode step
+        self.probing = False  # the last `open` said yes to probe: speculation does not pay
         self.admissions_off: dict[int, ProbeBackoff] = {}  # per bucket: when the next turned-away request speculates
 
-    def _verify_pays(self, num_seqs: int, decode: float, margin: float = 0.0) -> bool:
-        """Whether verify steps emit `1 + margin` times the tokens per second of decode steps
-        taking `decode` seconds."""
-        return self.emitted_per_seq[num_seqs] * decode >= (1 + margin) * statistics.median(self.verify_seconds[num_seqs])
+    def _verify_pays(self, num_seqs: int, decode: float, margin: float = 0.0, share: float = 1.0) -> bool:
+        """Whether verify steps with a `share` of their sequences drafting emit `1 + margin`
+        times the tokens per second of decode steps taking `decode` seconds."""
+        emitted = 1 + share * (self.emitted_per_seq[num_seqs] - 1)  # per sequence
+        return emitted * decode >= (1 + margin) * statistics.median(self.verify_seconds[num_seqs])
 
-    def pays(self, num_seqs: int) -> bool:
-        """Whether verify steps of `num_seqs` sequences pay (against decode steps that do the
-        method's work, else plain ones), or are not timed yet."""
+    def pays(self, num_seqs: int, share: float = 1.0) -> bool:
+        """Whether verify steps of `num_seqs` sequences, a `share` of them drafting, pay
+        (against decode steps that do the method's work, else plain ones), or are not timed yet."""
         decode = self.decode_seconds.get(num_seqs) or self.plain_seconds.get(num_seqs)
         if num_seqs not in self.verify_seconds or not decode:
             return True
-        return self._verify_pays(num_seqs, statistics.median(decode))
+        return self._verify_pays(num_seqs, statistics.median(decode), share=share)
 
     def admits(self, num_seqs: int) -> bool:
         """Whether a request admitted into a batch of `num_seqs` (bucketed) sequences speculates."""
@@ -216,24 +224,27 @@ class SpeculationGate:
             return True
         return off.due()
 
-    def open(self, num_seqs: int) -> bool:
-        """Whether the next step of `num_seqs` (bucketed) sequences should draft."""
-        opened = self._decide(num_seqs, commit=True)
-        self.retiming = not opened and self._timed(num_seqs) and self.pays(num_seqs)
+    def open(self, num_seqs: int, share: float = 1.0) -> bool:
+        """Whether the next step of `num_seqs` (bucketed) sequences, a `share` of them with
+        drafts, should draft."""
+        opened = self._decide(num_seqs, share, commit=True)
+        self.retiming = not opened and self._timed(num_seqs) and self.pays(num_seqs, share)
         return opened
 
-    def may_open_next(self, num_seqs: int) -> bool:
+    def may_open_next(self, num_seqs: int, share: float = 1.0) -> bool:
         """What the next `open` of `num_seqs` will say, as far as known now (for drafts made a
         step ahead, as the MTP module's: steps that do not draft are the decode steps timed)."""
-        return self._decide(num_seqs, commit=False)
+        return self._decide(num_seqs, share, commit=False)
 
     def _timed(self, num_seqs: int) -> bool:
         return num_seqs in self.decode_seconds or num_seqs in self.plain_seconds
 
-    def _decide(self, num_seqs: int, commit: bool) -> bool:
+    def _decide(self, num_seqs: int, share: float, commit: bool) -> bool:
+        if commit:
+            self.probing = False
         if not self._timed(num_seqs):
             return False
-        if self.pays(num_seqs):
+        if self.pays(num_seqs, share):
             on = self.steps_on + 1
             if commit:
                 self.steps_on = on
@@ -241,7 +252,7 @@ class SpeculationGate:
             return on % self.probe_every != 0
         probe = self.steps_off.due(commit)
         if probe and commit:
-            self.steps_on = 0
+            self.steps_on, self.probing = 0, True
         return probe
 
     def record_decode(self, num_seqs: int, seconds: float, plain: bool = True) -> None:

@@ -312,6 +312,45 @@ def test_the_gate_drafts_only_while_verify_steps_emit_more_tokens_per_second_tha
     assert not gate.open(16)
 
 
+def test_a_verify_step_pays_by_the_share_of_its_sequences_that_draft():
+    """A verify step costs the same however many of its sequences draft: at 2.2 times a
+    decode step's time, with 3 tokens per drafting sequence, it pays with every sequence
+    drafting (3 tokens a sequence) or 60% of them (2.2), not with 40% (1.8)."""
+    gate = SpeculationGate(probe_every=4, max_probe_every=8)
+    gate.record_decode(16, 0.010)
+    gate.record_verify(16, 0.022, emitted_per_seq=3.0)
+    assert gate.pays(16) and gate.pays(16, share=0.6) and not gate.pays(16, share=0.4)
+    assert gate.open(16) and not gate.probing
+    opened, probing = [], []
+    for _ in range(12):
+        opened.append(gate.open(16, share=0.4))
+        probing.append(gate.probing)
+    assert [i for i, o in enumerate(opened) if o] == [3, 11]  # probes only, after 4 steps off, then 8
+    assert probing == opened
+
+
+def test_ngram_verifies_only_where_enough_sequences_have_drafts(tiny_models):
+    """Prompt lookup finds drafts for some sequences and not others; a verify step costs the
+    same either way, so with the step times below it pays only where both sequences of the
+    batch have drafts (3 tokens a sequence against 2.2 decode steps' time) and the engine
+    decodes plainly where one has (2 tokens)."""
+    llm = LLM(tiny_models["bamba"][0], speculative_config={**NGRAM, "adaptive": True}, **ARGS)
+    engine = llm.engine
+    for s in engine.builder.seq_buckets:
+        engine.gate.record_decode(s, 0.010)
+        engine.gate.record_verify(s, 0.022, emitted_per_seq=3.0)
+    engine.gate.record_decode = engine.gate.record_verify = lambda *args, **kwargs: None  # the times above stay
+    prompts = [random_prompt(25, seed) for seed in (1, 2, 3)]
+    finds = [prompts[0], prompts[2]]  # prompt lookup finds drafts for these
+    engine.draft = lambda seq, limit: [1] * limit if seq.tokens[:25] in finds else []
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = [hf_greedy(tiny_models["bamba"][1], p, 10) for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params, use_tqdm=False)] == want[:2]
+    assert llm.stats()["spec_verifies"] == 0  # one of two sequences has drafts: never verified
+    assert [o.outputs[0].token_ids for o in llm.generate(finds, params, use_tqdm=False)] == [want[0], want[2]]
+    assert llm.stats()["spec_verifies"] > 0  # both have: verified
+
+
 def test_one_slow_step_does_not_keep_the_gate_on():
     """The first run of a step's executable, or a pause of the host, can take several times a
     step's usual time; after a few more steps the gate decides on the usual times."""
