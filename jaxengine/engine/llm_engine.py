@@ -381,13 +381,16 @@ class LLMEngine:
             self.requests.pop(s.request_id, None)
 
     def _propose(self, seq: Sequence, at_most: int) -> list[int]:
-        """Draft tokens for a sequence about to decode: at most `at_most`, none past its
-        max_tokens or max_model_len."""
-        limit = min(self.speculative.num_speculative_tokens, at_most,
-                    seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq.tokens))
-        if limit < 1 or not self.drafting or seq.bad_word_ids:  # bad words: bans depend on each drafted token
-            return []
-        return seq.step_drafts[:limit]
+        """Draft tokens for a sequence about to decode: at most `at_most`."""
+        return seq.step_drafts[: self._draft_limit(seq, at_most)] if self.drafting else []
+
+    def _draft_limit(self, seq: Sequence, at_most: int) -> int:
+        """How many drafts a sequence may verify: at most `at_most`, none past its max_tokens
+        or max_model_len, none with bad words (their bans depend on each drafted token)."""
+        if seq.bad_word_ids:
+            return 0
+        return max(0, min(self.speculative.num_speculative_tokens, at_most,
+                          seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq.tokens)))
 
     def _admits(self, num_seqs: int, hit_has_draft_state: bool) -> bool:
         """Whether a sequence admitted into a batch of `num_seqs` speculates: not where its
@@ -409,23 +412,23 @@ class LLMEngine:
         return not self.gate.retiming and self.gate.may_open_next(num_seqs, _share_speculating(seqs))
 
     def _open(self) -> None:
-        """Decides whether this step drafts (`drafting`); for ngram, proposes the drafts."""
+        """Decides whether this step drafts (`drafting`). ngram first proposes the drafts
+        where the gate may open (so it decides on the share of sequences that have some)."""
         running = self.scheduler.running
         bucket = self.builder.seq_bucket(max(1, len(running)))
+        share = _share_speculating(running)
+        if not self.drafts_in_step and (self.gate is None or self.gate.may_open_next(bucket, share)):
+            share = self._ngram_proposals(running) / max(1, len(running))
         if self.gate is not None:
-            self.drafting = self.gate.open(bucket, _share_speculating(running))
-        if self.drafting and not self.drafts_in_step:
-            with_drafts = self._ngram_proposals(running)
-            if self.gate is not None and not self.gate.probing:  # not enough drafts for a verify step to pay
-                self.drafting = self.gate.pays(bucket, with_drafts / max(1, len(running)))
+            self.drafting = self.gate.open(bucket, share)
 
     def _ngram_proposals(self, running: list[Sequence]) -> int:
         """Sets each running sequence's drafts for this step (`step_drafts`, by prompt lookup;
-        only a sequence about to decode has some); how many have some."""
+        only a speculating sequence about to decode has some); how many have some."""
         start = time.perf_counter()
-        k = self.speculative.num_speculative_tokens
         for seq in running:
-            seq.step_drafts = self.draft(seq, k) if seq.num_uncomputed == 1 else []
+            limit = self._draft_limit(seq, self.speculative.num_speculative_tokens)
+            seq.step_drafts = self.draft(seq, limit) if seq.speculates and seq.num_uncomputed == 1 and limit else []
         self.spec_stats.draft_seconds += time.perf_counter() - start
         return sum(1 for seq in running if seq.step_drafts)
 

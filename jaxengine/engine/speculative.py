@@ -159,11 +159,10 @@ class SpeculationGate:
     decode step. A verify step costs the same however many of its S sequences draft, and
     emits one token per sequence plus the drafts kept, so with a share f of the sequences
     drafting it pays when 1 + f * (emitted - 1) >= t_verify / t_decode (emitted: per
-    drafting sequence). Where the share is known only once the drafts are (ngram's proposals,
-    made on the host as the step is scheduled), `open` decides as if every sequence drafted
-    and `pays` is asked again with the share (`probing` tells a probe, which verifies
-    whatever the share). Until both times are known it measures
-    them (a decode step first, then verify steps). Both estimates stay fresh: while
+    drafting sequence). (ngram's drafts are found on the host, before the step: the engine
+    asks `may_open_next` with the share of sequences that may draft, and where it says yes,
+    finds the drafts and opens with the share that have some.) Until both times are known it
+    measures them (a decode step first, then verify steps). Both estimates stay fresh: while
     speculation pays, every `probe_every`-th step is a decode one (re-timing it); while it does
     not, a probe still verifies after `probe_every` steps off, so a change in acceptance or in
     the batch turns it back on, and each probe that finds it still not paying doubles the
@@ -194,7 +193,6 @@ class SpeculationGate:
         self.steps_on = 0  # steps since speculation last turned on
         self.steps_off = ProbeBackoff(probe_every, max_probe_every)  # steps off: when the next verifies
         self.retiming = False  # the last `open` said no to re-time a decode step
-        self.probing = False  # the last `open` said yes to probe: speculation does not pay
         self.admissions_off: dict[int, ProbeBackoff] = {}  # per bucket: when the next turned-away request speculates
 
     def _verify_pays(self, num_seqs: int, decode: float, margin: float = 0.0, share: float = 1.0) -> bool:
@@ -240,8 +238,6 @@ class SpeculationGate:
         return num_seqs in self.decode_seconds or num_seqs in self.plain_seconds
 
     def _decide(self, num_seqs: int, share: float, commit: bool) -> bool:
-        if commit:
-            self.probing = False
         if not self._timed(num_seqs):
             return False
         if self.pays(num_seqs, share):
@@ -252,7 +248,7 @@ class SpeculationGate:
             return on % self.probe_every != 0
         probe = self.steps_off.due(commit)
         if probe and commit:
-            self.steps_on, self.probing = 0, True
+            self.steps_on = 0
         return probe
 
     def record_decode(self, num_seqs: int, seconds: float, plain: bool = True) -> None:
