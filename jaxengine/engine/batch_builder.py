@@ -4,6 +4,8 @@ Shapes come from a small set of buckets so the step compiles once per bucket pai
 token buckets `T` (16, 32, ... up to and including `max_num_batched_tokens`) and sequence
 buckets `S`. A decode step (one token per sequence) uses `T == S`; when speculating, a verify
 step (every sequence's pending token and up to k drafts, no prefill) uses `T == S * (k + 1)`.
+A step that verifies drafts, decode or mixed, samples k + 1 rows per sequence and keeps the
+states after its draft positions; one that verifies none runs in a plain engine's shape.
 The checkpoints a step can store are part of its shape: a mixed step always has room for all
 it may plan; a decode or verify step stores a few per sequence at most, and most store none,
 so their shapes come in save buckets (0, 1, 4, ...) and a step pays only for the saves it has.
@@ -103,21 +105,24 @@ class BatchBuilder:
         self.num_speculative_tokens = num_speculative_tokens
         self.recurrent = recurrent
 
-    def _mixed(self, t: int, s: int) -> Shape:
+    def _verifying(self, s: int, verify: bool) -> dict:
+        """A shape's room for drafts: a verify shape samples each sequence's last k + 1 rows
+        and, with recurrent layers, keeps the states after its k draft positions."""
+        if not verify:
+            return {}
         k = self.num_speculative_tokens
-        return Shape(t, s, decode=False, num_saves=self._mixed_saves(t, s), sample_width=k + 1,
-                     num_position_states=s * k if self.recurrent else 0)
+        return dict(sample_width=k + 1, num_position_states=s * k if self.recurrent else 0)
+
+    def _mixed(self, t: int, s: int, verify: bool) -> Shape:
+        return Shape(t, s, decode=False, num_saves=self._mixed_saves(t, s), **self._verifying(s, verify))
 
     def seq_bucket(self, num_seqs: int) -> int:
         """The sequence bucket a step of `num_seqs` sequences runs in."""
         return _fit(num_seqs, self.seq_buckets)
 
     def _decode(self, s: int, num_saves: int, verify: bool) -> Shape:
-        if not verify:
-            return Shape(s, s, decode=True, num_saves=num_saves)
-        k = self.num_speculative_tokens
-        return Shape(s * (k + 1), s, decode=True, num_saves=num_saves, sample_width=k + 1,
-                     num_position_states=s * k if self.recurrent else 0)
+        t = s * (self.num_speculative_tokens + 1) if verify else s
+        return Shape(t, s, decode=True, num_saves=num_saves, **self._verifying(s, verify))
 
     def _decode_saves(self, s: int, verify: bool) -> tuple[int, ...]:
         """The save buckets of decode (verify) shapes: a sequence's 1 (k + 1) tokens reach at
@@ -134,16 +139,16 @@ class BatchBuilder:
 
     def shapes(self) -> list[Shape]:
         """Every shape a run can hit: mixed steps for each (T, S) pair that some batch can fill
-        (at least one token per sequence), and decode (and when speculating, verify) steps for
-        each S and save bucket."""
+        (at least one token per sequence), and decode steps for each S and save bucket; when
+        speculating, each of them also as a verify shape."""
         token_b, seq_b = self.token_buckets, self.seq_buckets
         shapes = []
-        for t in token_b:
-            for i, s in enumerate(seq_b):
-                fewest_seqs = seq_b[i - 1] + 1 if i else 1
-                if fewest_seqs <= t:
-                    shapes.append(self._mixed(t, s))
         for verify in (False, True) if self.num_speculative_tokens else (False,):
+            for t in token_b:
+                for i, s in enumerate(seq_b):
+                    fewest_seqs = seq_b[i - 1] + 1 if i else 1
+                    if fewest_seqs <= t:
+                        shapes.append(self._mixed(t, s, verify))
             for s in seq_b:
                 for c in self._decode_saves(s, verify):
                     shapes.append(self._decode(s, c, verify))
@@ -151,10 +156,10 @@ class BatchBuilder:
 
     def shape_of(self, step: ScheduledStep) -> Shape:
         s = _fit(len(step.seqs), self.seq_buckets)
+        verify = any(step.drafts)
         if step.is_decode:
-            verify = any(step.drafts)
             return self._decode(s, _fit(len(step.saves), self._decode_saves(s, verify)), verify)
-        return self._mixed(_fit(step.total_tokens, self.token_buckets), s)
+        return self._mixed(_fit(step.total_tokens, self.token_buckets), s, verify)
 
     def empty(self, shape: Shape) -> tuple[StepBatch, SamplingBatch]:
         """An all-padding batch of `shape` (used for warm-up): touches only the null sinks."""

@@ -31,6 +31,7 @@ from jaxengine.engine.sampling_params import SamplingParams, is_int
 from jaxengine.engine.scheduler import ScheduledStep, Scheduler
 from jaxengine.engine.sequence import Sequence, Status
 from jaxengine.engine.speculative import DRAFTS_IN_STEP, SpecStats, SpeculationGate, accept, ngram_proposal
+from jaxengine.engine.step_executables import ShapeKey
 from jaxengine.engine.step_store import StepStore
 from jaxengine.engine.tokenizer import load_tokenizer
 from jaxengine.models.config import ModelConfig, checkpoint_dtype, load_model_config
@@ -217,7 +218,8 @@ class LLMEngine:
         decode shapes now (every step fits one of them) and the others on a background
         thread, most sequences and decode shapes first."""
         start = time.perf_counter()
-        shapes = sorted(self.shapes(), key=lambda s: (-s.num_seqs, not s.decode, -s.num_tokens, s.num_saves))
+        shapes = sorted(self.shapes(), key=lambda s: (-s.num_seqs, not s.decode, -s.num_tokens, s.num_saves,
+                                                      s.sample_width))
         largest = {max((s for s in shapes if s.decode == d), key=_size) for d in (False, True)}
         later = {_key(s) for s in shapes if s not in largest} if self.config.background_compile else set()
         batches = []
@@ -664,13 +666,14 @@ class LLMEngine:
         return np.concatenate(rows)
 
 
-def _key(shape: Shape) -> tuple[int, int, int, bool]:
+def _key(shape: Shape) -> ShapeKey:
     """The runner's key of a shape's executable."""
-    return shape.num_tokens, shape.num_seqs, shape.num_saves, shape.decode
+    return shape.num_tokens, shape.num_seqs, shape.num_saves, shape.decode, shape.sample_width
 
 
-def _size(shape: Shape) -> tuple[int, int, bool, int]:
-    return shape.num_tokens, shape.num_seqs, not shape.decode, shape.num_saves
+def _size(shape: Shape) -> tuple[int, int, bool, int, int, int]:
+    return (shape.num_tokens, shape.num_seqs, not shape.decode, shape.num_saves, shape.sample_width,
+            shape.num_position_states)
 
 
 def _covers(big: Shape, small: Shape) -> bool:

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, PartitionSpec
@@ -64,7 +63,7 @@ def _sample_step(
     back in the shardings `placement` (the draft's, the target's): those they came in."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
     h, pools = model(pools, batch, decode=decode, hidden=True)  # [T, D]
-    out = _sample(model.head, h, sampling, num_logprobs, verify_rows_used=decode)
+    out = sample_tokens(model.head(h[sampling.sample_rows.reshape(-1)]), sampling, num_logprobs)  # [S, W, ...]
     out = dataclasses.replace(out, prompt=prompt_logprobs(model.head, h, sampling.next_ids, num_logprobs))
     last = last_accepted_rows(batch, sampling.sample_rows, sampling.num_drafts, out.tokens)  # [S]
 
@@ -86,29 +85,6 @@ def _sample_step(
     # input buffer to the first output of its shape, and a draft may have the target's shapes.
     draft_pools, pools = jax.lax.with_sharding_constraint((draft_pools, pools), placement)
     return _everywhere(out), draft_pools, pools
-
-
-def _sample(head: Callable[[jax.Array], jax.Array], h: jax.Array, sampling: SamplingBatch, num_logprobs: int,
-            *, verify_rows_used: bool) -> SampleOutput:
-    """Samples each sequence's sample rows from the final hidden states `h` [T, D].
-
-    A speculating engine's mixed steps have k + 1 rows per sequence but mostly verify no
-    drafts (prefill chunks, or speculation turned off): unless `verify_rows_used` (a verify
-    step: it always does), such a step samples only each sequence's last row when no sequence
-    has drafts, and returns zeros for the rows before it (never read)."""
-
-    def sample(rows: jax.Array) -> SampleOutput:  # rows [S, W']
-        return sample_tokens(head(h[rows.reshape(-1)]), dataclasses.replace(sampling, sample_rows=rows), num_logprobs)
-
-    width = sampling.sample_rows.shape[1]
-    if verify_rows_used or width == 1:
-        return sample(sampling.sample_rows)
-
-    def last_rows() -> SampleOutput:
-        pad = lambda a: jnp.pad(a, [(0, 0), (width - 1, 0)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-        return jax.tree.map(pad, sample(sampling.sample_rows[:, -1:]))
-
-    return jax.lax.cond(jnp.any(sampling.num_drafts > 0), lambda: sample(sampling.sample_rows), last_rows)
 
 
 def place_params(params: nnx.State, mesh: Mesh, rules: Rules) -> tuple[list[jax.Array], PyTreeDef]:

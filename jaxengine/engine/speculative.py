@@ -166,7 +166,9 @@ class SpeculationGate:
     speculation pays, every `probe_every`-th step is a decode one (re-timing it); while it does
     not, a probe still verifies after `probe_every` steps off, so a change in acceptance or in
     the batch turns it back on, and each probe that finds it still not paying doubles the
-    wait, up to `max_probe_every`.
+    wait, up to `max_probe_every`. Each bucket counts its own steps on and off (a run's few
+    steps at another batch size do not reset the wait), and a step in which no sequence has
+    drafts is neither: a probe there would verify nothing.
 
     Per request (`admits`): whether a request admitted into a batch of S sequences speculates
     at all, against plain decode steps: until verify steps at S are timed, it does; then,
@@ -190,8 +192,8 @@ class SpeculationGate:
         self.plain_seconds: dict[int, collections.deque[float]] = {}
         self.verify_seconds: dict[int, collections.deque[float]] = {}
         self.emitted_per_seq: dict[int, float] = {}  # per bucket: tokens a verify step emits per drafting sequence
-        self.steps_on = 0  # steps since speculation last turned on
-        self.steps_off = ProbeBackoff(probe_every, max_probe_every)  # steps off: when the next verifies
+        self.steps_on: dict[int, int] = {}  # per bucket: steps since speculation last turned on
+        self.steps_off: dict[int, ProbeBackoff] = {}  # per bucket: steps off, when the next verifies
         self.retiming = False  # the last `open` said no to re-time a decode step
         self.admissions_off: dict[int, ProbeBackoff] = {}  # per bucket: when the next turned-away request speculates
 
@@ -238,17 +240,18 @@ class SpeculationGate:
         return num_seqs in self.decode_seconds or num_seqs in self.plain_seconds
 
     def _decide(self, num_seqs: int, share: float, commit: bool) -> bool:
-        if not self._timed(num_seqs):
+        if not self._timed(num_seqs) or share == 0:
             return False
+        off = self.steps_off.setdefault(num_seqs, ProbeBackoff(self.probe_every, self.max_probe_every))
         if self.pays(num_seqs, share):
-            on = self.steps_on + 1
+            on = self.steps_on.get(num_seqs, 0) + 1
             if commit:
-                self.steps_on = on
-                self.steps_off.reset()
+                self.steps_on[num_seqs] = on
+                off.reset()
             return on % self.probe_every != 0
-        probe = self.steps_off.due(commit)
+        probe = off.due(commit)
         if probe and commit:
-            self.steps_on = 0
+            self.steps_on[num_seqs] = 0
         return probe
 
     def record_decode(self, num_seqs: int, seconds: float, plain: bool = True) -> None:

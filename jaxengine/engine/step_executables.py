@@ -26,14 +26,15 @@ from jaxengine.models.batch import StepBatch
 logger = logging.getLogger(__name__)
 
 WARM_UP_THREADS = 2  # measured on 2 cores: loads 2x, compiles 1.2x faster than one thread
-ShapeKey = tuple[int, int, int, bool]  # tokens, sequences, checkpoint saves, decode
+ShapeKey = tuple[int, int, int, bool, int]  # tokens, sequences, checkpoint saves, decode, rows sampled per sequence
 Item = tuple[StepBatch, SamplingBatch, bool]  # an all-padding batch of a shape; decode or not
 
 _LIVE: "weakref.WeakSet[StepExecutables]" = weakref.WeakSet()
 
 
-def shape_key(batch: StepBatch, decode: bool) -> ShapeKey:
-    return batch.input_ids.shape[0], batch.kv_lens.shape[0], batch.save_seq.shape[0], decode
+def shape_key(batch: StepBatch, sampling: SamplingBatch, decode: bool) -> ShapeKey:
+    return (batch.input_ids.shape[0], batch.kv_lens.shape[0], batch.save_seq.shape[0], decode,
+            sampling.sample_rows.shape[1])
 
 
 class StepExecutables:
@@ -53,7 +54,7 @@ class StepExecutables:
 
     def get(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Compiled:
         """The executable of this batch's shape, loaded or compiled now if not ready."""
-        key = shape_key(batch, decode)
+        key = shape_key(batch, sampling, decode)
         executable = self.ready.get(key)
         if executable is None:
             executable = self._load(batch, sampling, decode)
@@ -67,11 +68,11 @@ class StepExecutables:
                 progress: Callable[[], None] | None = None) -> None:
         """Makes every item's shape ready: stored ones are loaded and the others compiled, on
         a few threads; those in `later` that are not stored go to the background thread."""
-        todo = [item for item in items if shape_key(item[0], item[2]) not in self.ready]
+        todo = [item for item in items if shape_key(*item) not in self.ready]
         # Every stored shape loads before any compiles: a process stops loading once it has
         # compiled a step itself (step_store), so one missing file costs one compile.
         missing = self._run_all(todo, self._load, progress)
-        compile_now = [i for i in missing if shape_key(todo[i][0], todo[i][2]) not in later]
+        compile_now = [i for i in missing if shape_key(*todo[i]) not in later]
         self._run_all([todo[i] for i in compile_now], self._compile, progress)
         waiting = sorted(set(missing) - set(compile_now))
         if waiting:
@@ -93,7 +94,7 @@ class StepExecutables:
                 if executable is None:
                     none.append(i)
                     continue
-                self.ready[shape_key(items[i][0], items[i][2])] = executable
+                self.ready[shape_key(*items[i])] = executable
                 if progress is not None:
                     progress()
         return sorted(none)
@@ -103,7 +104,7 @@ class StepExecutables:
         (a step wanted it)."""
         with self._queue_lock:
             for i, item in enumerate(self._queue):
-                if shape_key(item[0], item[2]) == key:
+                if shape_key(*item) == key:
                     self._queue.insert(0, self._queue.pop(i))
                     return
 
@@ -129,7 +130,7 @@ class StepExecutables:
                     return
                 item = self._queue.pop(0)
             try:
-                self.ready[shape_key(item[0], item[2])] = self._compile(*item)
+                self.ready[shape_key(*item)] = self._compile(*item)
             except Exception as err:  # the larger shapes it fell back to go on serving
                 logger.warning("background compile of a step shape failed (%s: %s)", type(err).__name__, err)
 
@@ -139,7 +140,7 @@ class StepExecutables:
     def _compile(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Compiled:
         start = time.perf_counter()
         executable = self._lower(batch, sampling, decode).compile()
-        self.compile_seconds[shape_key(batch, decode)] = time.perf_counter() - start
+        self.compile_seconds[shape_key(batch, sampling, decode)] = time.perf_counter() - start
         self.store.save(self._file_key(batch, sampling, decode), executable)
         return executable
 

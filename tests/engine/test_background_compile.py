@@ -2,6 +2,8 @@
 
 import threading
 
+import pytest
+
 from jaxengine import LLM, SamplingParams
 from jaxengine.engine.batch_builder import Shape
 from jaxengine.engine.llm_engine import _covers
@@ -11,21 +13,32 @@ from jaxengine.engine.step_executables import StepExecutables
 ARGS = dict(max_model_len=96, page_size=4, max_num_seqs=2, max_num_batched_tokens=16, compilation_cache_dir=None)
 PROMPTS = [[1 + (7 * i + j) % 50 for j in range(5 + 9 * i)] for i in range(3)]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "adaptive": False}  # always drafting
 
 
-def test_only_the_largest_shapes_wait_and_tokens_are_those_of_exact_shapes(tiny_models, monkeypatch):
+@pytest.mark.parametrize("speculative_config", [None, NGRAM], ids=["plain", "ngram"])
+def test_only_the_largest_shapes_wait_and_tokens_are_those_of_exact_shapes(tiny_models, monkeypatch,
+                                                                            speculative_config):
+    """With speculation, the largest shapes that wait are verify shapes: steps that verify
+    drafts, decode or mixed, fit only them."""
     gate = threading.Event()  # holds the background thread back until the first call is done
     compile_all = StepExecutables._compile_all
     monkeypatch.setattr(StepExecutables, "_compile_all", lambda self: (gate.wait(), compile_all(self)))
-    llm = LLM(tiny_models["bamba"][0], **ARGS)  # warm-up with background compiles (the default)
-    steps, shapes = llm.engine.runner.steps, llm.engine.shapes()
-    assert len(steps.ready) < len(shapes)  # the rest was left to the background thread
-    largest_mixed = max((s for s in shapes if not s.decode), key=lambda s: (s.num_tokens, s.num_seqs))
-    assert (largest_mixed.num_tokens, largest_mixed.num_seqs, largest_mixed.num_saves, False) in steps.ready
-    early = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]  # while shapes compile
-    assert steps.compiled_on_demand == 0
-    assert llm.stats()["steps_in_larger_shapes"] > 0 and llm.stats()["step_shapes_not_ready"] > 0
-    gate.set()
+    try:
+        # Warm-up with background compiles (the default).
+        llm = LLM(tiny_models["bamba"][0], speculative_config=speculative_config, **ARGS)
+        steps, shapes = llm.engine.runner.steps, llm.engine.shapes()
+        assert len(steps.ready) < len(shapes)  # the rest was left to the background thread
+        largest_mixed = max((s for s in shapes if not s.decode), key=lambda s: (s.num_tokens, s.num_seqs))
+        width = 1 + (speculative_config or {}).get("num_speculative_tokens", 0)
+        assert (largest_mixed.num_tokens, largest_mixed.num_seqs, largest_mixed.num_saves, False, width) in steps.ready
+        early = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]  # while shapes compile
+        assert steps.compiled_on_demand == 0
+        if speculative_config:
+            assert llm.stats()["spec_draft_tokens"] > 0  # steps verified drafts
+        assert llm.stats()["steps_in_larger_shapes"] > 0 and llm.stats()["step_shapes_not_ready"] > 0
+    finally:
+        gate.set()  # a failed check must not leave the thread (and the process's exit) waiting
     steps.wait()
     assert llm.stats()["step_shapes_not_ready"] == 0
     assert len(steps.ready) == len(shapes)
@@ -38,3 +51,6 @@ def test_a_step_fits_shapes_no_smaller_and_decode_fits_mixed():
     assert _covers(mixed, decode) and not _covers(decode, mixed)
     assert _covers(Shape(4, 4, True, 4), decode) and not _covers(Shape(4, 4, True, 0), decode)
     assert not _covers(Shape(16, 1, False, 5), Shape(16, 4, False, 8))
+    verify = Shape(16, 4, False, 8, sample_width=3, num_position_states=8)  # a mixed step verifying 2 drafts
+    assert _covers(verify, mixed) and not _covers(mixed, verify)
+    assert _covers(verify, Shape(12, 4, True, 1, sample_width=3, num_position_states=8))

@@ -126,10 +126,11 @@ def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_p
     save_tiny_model(arch, tmp_path)
     llm = LLM(tmp_path, speculative_config=NGRAM, **ARGS)
     llm.engine.draft = lambda seq, limit: []
-    verified_in = set()  # the kinds of step (decode or not) that verified drafts
+    steps = set()  # (decode, verifies drafts, rows sampled per sequence) of each step run
     sample = llm.engine.runner.sample
     llm.engine.runner.sample = lambda batch, sampling, decode: (
-        verified_in.add(decode) if np.any(sampling.num_drafts > 0) else None, sample(batch, sampling, decode))[1]
+        steps.add((decode, bool(np.any(sampling.num_drafts > 0)), sampling.sample_rows.shape[1])),
+        sample(batch, sampling, decode))[1]
     first = llm.generate(_prompts()[2:3], _params(0)[0], use_tqdm=False)[0].outputs[0].token_ids
     stop_id = first[5]  # a token the third prompt's output reaches
     want = _run(llm, stop_id)
@@ -142,7 +143,7 @@ def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_p
     stats = llm.stats()
     assert stats["spec_draft_tokens"] > 0 and stats["tokens_hit"] > 0
     # Some drafts were verified in a verify step (no prefill: T = S * (k + 1), one-token updates).
-    assert any(decode and t == s * (K + 1) for t, s, _, decode in llm.engine.runner.steps.ready)
+    assert any(decode and t == s * (K + 1) for t, s, _, decode, _ in llm.engine.runner.steps.ready)
 
     llm.engine.draft = _oracle(continuation, wrong=False)
     before = llm.stats()
@@ -150,7 +151,10 @@ def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_p
     after = llm.stats()
     assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] == (
         after["spec_draft_tokens"] - before["spec_draft_tokens"]) > 0  # every draft accepted
-    assert verified_in == {True, False}  # in verify steps, and in mixed steps beside a prefill
+    assert {decode for decode, verifies, _ in steps if verifies} == {True, False}  # mixed steps too, beside a prefill
+    # A step that verifies drafts samples k + 1 rows per sequence; one that verifies none,
+    # decode or mixed, runs in a plain engine's shape.
+    assert {(verifies, width) for _, verifies, width in steps} == {(False, 1), (True, K + 1)}
 
     llm.engine.draft = _oracle(continuation, wrong=True)
     if llm.engine.scheduler.slots is not None:
@@ -323,6 +327,21 @@ def test_a_verify_step_pays_by_the_share_of_its_sequences_that_draft():
     assert gate.open(16)
     opened = [gate.open(16, share=0.4) for _ in range(12)]
     assert [i for i, o in enumerate(opened) if o] == [3, 11]  # probes only, after 4 steps off, then 8
+
+
+def test_probes_wait_per_batch_size_and_only_where_some_sequence_has_drafts():
+    """A run's few steps at another batch size (its first step, its last ones) do not reset
+    the wait between probes, and a step without drafts is no probe and no step off."""
+    gate = SpeculationGate(probe_every=4, max_probe_every=8)
+    gate.record_decode(16, 0.010)
+    gate.record_verify(16, 0.030, emitted_per_seq=1.5)  # does not pay
+    opened = [gate.open(16) for _ in range(12)]
+    assert [i for i, o in enumerate(opened) if o] == [3, 11]  # probes after 4 steps off, then 8
+    gate.record_decode(1, 0.005)
+    assert gate.open(1)  # at one sequence verify steps are not timed yet: it verifies
+    assert not any(gate.open(16, share=0.0) for _ in range(20))  # nothing to verify: no probe
+    opened = [gate.open(16) for _ in range(8)]
+    assert [i for i, o in enumerate(opened) if o] == [7]  # the wait is still 8
 
 
 def test_ngram_verifies_only_where_enough_sequences_have_drafts(tiny_models):
