@@ -116,7 +116,8 @@ def accept(drafts: list[int], sampled: list[int]) -> list[int]:
 @dataclasses.dataclass
 class ProbeBackoff:
     """When to try again something that does not pay: every `wait`-th call of `due` says yes,
-    each yes doubling the wait (from `first` up to `longest`); `reset` once it pays."""
+    each yes doubling the wait (from `first` up to `longest`) unless it could not try
+    (`grow=False`); `reset` once it pays."""
 
     first: int
     longest: int
@@ -129,7 +130,7 @@ class ProbeBackoff:
     def reset(self) -> None:
         self.count, self.wait = 0, self.first
 
-    def due(self, commit: bool = True) -> bool:
+    def due(self, commit: bool = True, grow: bool = True) -> bool:
         """Whether this call is a probe; `commit=False` only predicts it."""
         count = self.count + 1
         if count < self.wait:
@@ -137,7 +138,7 @@ class ProbeBackoff:
                 self.count = count
             return False
         if commit:
-            self.count, self.wait = 0, min(2 * self.wait, self.longest)
+            self.count, self.wait = 0, min(2 * self.wait, self.longest) if grow else self.wait
         return True
 
 
@@ -167,8 +168,9 @@ class SpeculationGate:
     not, a probe still verifies after `probe_every` steps off, so a change in acceptance or in
     the batch turns it back on, and each probe that finds it still not paying doubles the
     wait, up to `max_probe_every`. Each bucket counts its own steps on and off (a run's few
-    steps at another batch size do not reset the wait), and a step in which no sequence has
-    drafts is neither: a probe there would verify nothing.
+    steps at another batch size do not reset the wait). A probe due at a step in which no
+    sequence has drafts verifies nothing and leaves the wait as it was: the next comes a
+    wait later (ngram looks its drafts up only where the gate may open, so not every step).
 
     Per request (`admits`): whether a request admitted into a batch of S sequences speculates
     at all, against plain decode steps: until verify steps at S are timed, it does; then,
@@ -240,19 +242,19 @@ class SpeculationGate:
         return num_seqs in self.decode_seconds or num_seqs in self.plain_seconds
 
     def _decide(self, num_seqs: int, share: float, commit: bool) -> bool:
-        if not self._timed(num_seqs) or share == 0:
+        if not self._timed(num_seqs):
             return False
         off = self.steps_off.setdefault(num_seqs, ProbeBackoff(self.probe_every, self.max_probe_every))
-        if self.pays(num_seqs, share):
+        if share > 0 and self.pays(num_seqs, share):
             on = self.steps_on.get(num_seqs, 0) + 1
             if commit:
                 self.steps_on[num_seqs] = on
                 off.reset()
             return on % self.probe_every != 0
-        probe = off.due(commit)
+        probe = off.due(commit, grow=share > 0)
         if probe and commit:
             self.steps_on[num_seqs] = 0
-        return probe
+        return probe and share > 0
 
     def record_decode(self, num_seqs: int, seconds: float, plain: bool = True) -> None:
         """A decode step's time; `plain`: it did none of the method's work."""

@@ -329,19 +329,19 @@ def test_a_verify_step_pays_by_the_share_of_its_sequences_that_draft():
     assert [i for i, o in enumerate(opened) if o] == [3, 11]  # probes only, after 4 steps off, then 8
 
 
-def test_probes_wait_per_batch_size_and_only_where_some_sequence_has_drafts():
+def test_probes_wait_per_batch_size_and_a_probe_without_drafts_leaves_the_wait():
     """A run's few steps at another batch size (its first step, its last ones) do not reset
-    the wait between probes, and a step without drafts is no probe and no step off."""
-    gate = SpeculationGate(probe_every=4, max_probe_every=8)
+    the wait between probes; a probe due at a step without drafts verifies nothing and does
+    not double the wait (the next comes a wait later, so ngram's lookups stay rare)."""
+    gate = SpeculationGate(probe_every=4, max_probe_every=16)
     gate.record_decode(16, 0.010)
     gate.record_verify(16, 0.030, emitted_per_seq=1.5)  # does not pay
-    opened = [gate.open(16) for _ in range(12)]
-    assert [i for i, o in enumerate(opened) if o] == [3, 11]  # probes after 4 steps off, then 8
+    assert [gate.open(16) for _ in range(4)] == [False, False, False, True]  # a probe after 4 steps off; the wait now 8
     gate.record_decode(1, 0.005)
     assert gate.open(1)  # at one sequence verify steps are not timed yet: it verifies
-    assert not any(gate.open(16, share=0.0) for _ in range(20))  # nothing to verify: no probe
-    opened = [gate.open(16) for _ in range(8)]
-    assert [i for i, o in enumerate(opened) if o] == [7]  # the wait is still 8
+    assert not any(gate.open(16, share=0.0) for _ in range(10))  # nothing to verify: no probe (one was due at the 8th)
+    opened = [gate.open(16) for _ in range(12)]
+    assert [i for i, o in enumerate(opened) if o] == [5]  # 8 after the 8th step without drafts: the wait still 8
 
 
 def test_ngram_verifies_only_where_enough_sequences_have_drafts(tiny_models):
