@@ -52,7 +52,8 @@ def mixed_ms(engines: list[LLM], num_tokens: int, num_seqs: int, runs: int = 60)
     steps = []
     for llm in engines:
         engine = llm.engine
-        shape = next(s for s in engine.shapes() if not s.decode and (s.num_tokens, s.num_seqs, s.sample_width) == (num_tokens, num_seqs, 1))
+        shape = next(s for s in engine.shapes()
+                     if not s.decode and (s.num_tokens, s.num_seqs, s.sample_width) == (num_tokens, num_seqs, 1))
         batch, sampling = engine.builder.empty(shape)
         sampling = dataclasses.replace(sampling, temperature=np.full_like(sampling.temperature, 0.7),
                                        top_p=np.full_like(sampling.top_p, 0.95))
