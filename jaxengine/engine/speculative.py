@@ -138,7 +138,9 @@ class ProbeBackoff:
                 self.count = count
             return False
         if commit:
-            self.count, self.wait = 0, min(2 * self.wait, self.longest) if grow else self.wait
+            self.count = 0
+            if grow:
+                self.wait = min(2 * self.wait, self.longest)
         return True
 
 
