@@ -152,9 +152,10 @@ class SpeculationGate:
     steps run (whole steps: scheduling, the device's work and the host's), and the mean tokens
     a verify step emits per drafting sequence (an exponential average; per bucket too, as the
     requests, and so the acceptance, differ between the times a workload runs at each). Times
-    are taken as the median of their window, so one slow step (the first run of an
-    executable, a pause of the host) does not decide for long. Decode steps come in two
-    kinds: those that do the method's own work for speculating sequences (the MTP module's
+    are taken as the median of their window, so one slow step (a pause of the host) does not
+    decide for long; the engine does not hand it a shape's first step (an executable's first
+    run is several times slower than its next ones, and each shape has one). Decode steps
+    come in two kinds: those that do the method's own work for speculating sequences (the MTP module's
     pass over every token, the draft model's), the alternative to verifying for a sequence
     that speculates, and plain ones (no such work), the alternative to speculating at all.
 

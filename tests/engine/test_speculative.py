@@ -10,6 +10,7 @@ import yaml
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.engine.speculative import SpeculationGate, SpeculativeConfig, accept, ngram_proposal
+from jaxengine.engine.step_executables import shape_key
 from jaxengine.run_config import ConfigError, load_run_config
 from tests.models.tiny_models import VOCAB_SIZE, hf_greedy, random_prompt, save_tiny_model
 
@@ -366,11 +367,33 @@ def test_ngram_verifies_only_where_enough_sequences_have_drafts(tiny_models):
     assert llm.stats()["spec_verifies"] > 0  # both have: verified
 
 
+def test_the_gate_times_every_decode_and_verify_step_but_a_shapes_first(tiny_models):
+    """An executable's first run is several times slower than its next ones: the engine does
+    not hand the gate that step's time, and hands it every other decode and verify step's."""
+    llm = LLM(tiny_models["bamba"][0], speculative_config={**NGRAM, "adaptive": True}, **ARGS)
+    engine = llm.engine
+    for s in engine.builder.seq_buckets:  # verify steps pay: the gate opens wherever drafts are
+        engine.gate.record_decode(s, 0.010)
+        engine.gate.record_verify(s, 0.001, emitted_per_seq=3.0)
+    engine.draft = lambda seq, limit: [1] * limit
+    keys, timed = [], []  # each step's executable key; the steps (1-based) whose time the gate got
+    sample = engine.runner.sample
+    engine.runner.sample = lambda batch, sampling, decode: keys.append(
+        shape_key(batch, sampling, decode)) or sample(batch, sampling, decode)
+    engine.gate.record_decode = engine.gate.record_verify = lambda *args, **kwargs: timed.append(len(keys))
+    prompts = [random_prompt(25, seed) for seed in (1, 2, 3)]
+    llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    first = {keys.index(k) + 1 for k in set(keys)}
+    decode = {i + 1 for i, k in enumerate(keys) if k[3]}
+    assert llm.stats()["spec_verifies"] > 0 and decode - first
+    assert sorted(timed) == sorted(decode - first)
+
+
 def test_one_slow_step_does_not_keep_the_gate_on():
-    """The first run of a step's executable, or a pause of the host, can take several times a
-    step's usual time; after a few more steps the gate decides on the usual times."""
+    """A pause of the host can make a step take several times its usual time; after a few
+    more steps the gate decides on the usual times."""
     gate = SpeculationGate(probe_every=4, max_probe_every=8)
-    gate.record_decode(16, 0.050)  # a first run: 5x the usual decode step
+    gate.record_decode(16, 0.050)  # a pause: 5x the usual decode step
     for _ in range(3):
         gate.record_verify(16, 0.025, emitted_per_seq=2.0)  # 80 tokens/s per sequence
     assert gate.pays(16)  # against the one slow decode step it seems to
