@@ -155,9 +155,10 @@ class SpeculationGate:
     are taken as the median of their window, so one slow step (a pause of the host) does not
     decide for long; the engine does not hand it a shape's first step (an executable's first
     run is several times slower than its next ones, and each shape has one). Decode steps
-    come in two kinds: those that do the method's own work for speculating sequences (the MTP module's
-    pass over every token, the draft model's), the alternative to verifying for a sequence
-    that speculates, and plain ones (no such work), the alternative to speculating at all.
+    come in two kinds: those that do the method's own work for speculating sequences (the
+    MTP module's pass over every token, the draft model's), the alternative to verifying for
+    a sequence that speculates, and plain ones (no such work), the alternative to
+    speculating at all.
 
     Step by step (`open`): a verify step pays when it emits more tokens per second than a
     decode step. A verify step costs the same however many of its S sequences draft, and
