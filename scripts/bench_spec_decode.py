@@ -15,7 +15,9 @@ run beside it) and then its median, keep such runs from deciding a ratio.
 Each speculative configuration runs in a process of its own beside a plain engine (XLA:CPU
 holds every compiled step of a process in memory: three warmed-up engines did not fit).
 Engine settings are the defaults but for `max_num_seqs` (the largest batch; 16 is also the
-default) and, when given, `--max-model-len`.
+default), when given `--max-model-len`, and two that only change start-up: every step shape
+is compiled before serving (`background_compile=False`, so no timed step waits for or runs in
+place of a compile) and none is stored (`compilation_cache_dir=None`, see `run`).
 
 `--pad-layers N` serves a larger target instead: the model with N more Mamba2 layers whose
 output projections (mixer and feed-forward) are zero. Each computes as a full layer but adds
