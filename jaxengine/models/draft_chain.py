@@ -64,8 +64,7 @@ def draft_model_drafts(
         save_seq=batch.save_seq[:0], save_pos=batch.save_pos[:0], save_blocks=batch.save_blocks[:0],
         state_seq=batch.state_seq[:0], state_pos=batch.state_pos[:0], state_slots=batch.state_slots[:0],
     )
-    slots = _accepted_state_slots(batch, num_drafts, last, sampled.shape[1])
-    small = tuple(tuple(jnp.concatenate([a[:1], a[slots]]) for a in layer) for layer in pools.states)
+    slots = _accepted_state_slots(batch, num_drafts, last, sampled.shape[1])  # [S]
 
     def one_token(i, carry):
         tokens, drafts, k_pages, v_pages, states = carry
@@ -75,12 +74,16 @@ def draft_model_drafts(
         tokens = choose(logits, i)  # [S]
         return tokens, drafts.at[seqs, i].set(tokens), out.k_pages, out.v_pages, out.states
 
+    def drafting(carry):  # only when some sequence drafts; `slots` comes in through the carry
+        drafts, k_pages, v_pages, slots = carry  # so that gathering the small pool stays inside
+        small = tuple(tuple(jnp.concatenate([a[:1], a[slots]]) for a in layer) for layer in pools.states)
+        _, drafts, k_pages, v_pages, _ = jax.lax.fori_loop(
+            0, num_speculative_tokens, one_token, (first_token, drafts, k_pages, v_pages, small))
+        return drafts, k_pages, v_pages, slots * 0
+
     drafts = jnp.zeros((num_seqs, num_speculative_tokens), jnp.int32)
-    # A loop, not conditionals: its carried pages are updated in place (a branch returning
-    # them is copied); it runs no iteration when no sequence drafts.
-    count = jnp.where(jnp.any(wants_drafts), num_speculative_tokens, 0)
-    _, drafts, k_pages, v_pages, _ = jax.lax.fori_loop(
-        0, count, one_token, (first_token, drafts, pools.k_pages, pools.v_pages, small))
+    drafts, k_pages, v_pages, _ = if_in_place(
+        jnp.any(wants_drafts), drafting, (drafts, pools.k_pages, pools.v_pages, slots))
     return drafts, dataclasses.replace(pools, k_pages=k_pages, v_pages=v_pages)
 
 
