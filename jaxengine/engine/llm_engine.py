@@ -30,7 +30,7 @@ from jaxengine.engine.sampler import PromptLogprobs
 from jaxengine.engine.sampling_params import SamplingParams, is_int
 from jaxengine.engine.scheduler import ScheduledStep, Scheduler
 from jaxengine.engine.sequence import Sequence, Status
-from jaxengine.engine.speculative import DRAFTS_IN_STEP, SpecStats, SpeculationGate, accept, ngram_proposal
+from jaxengine.engine.speculative import DRAFTS_IN_STEP, NgramIndex, SpecStats, SpeculationGate, accept
 from jaxengine.engine.step_executables import ShapeKey
 from jaxengine.engine.step_store import StepStore
 from jaxengine.engine.tokenizer import load_tokenizer
@@ -438,8 +438,9 @@ class LLMEngine:
         return sum(1 for seq in running if seq.step_drafts)
 
     def _ngram_draft(self, seq: Sequence, limit: int) -> list[int]:
-        spec = self.speculative
-        return ngram_proposal(seq.tokens, limit, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if seq.ngram_index is None:
+            seq.ngram_index = NgramIndex(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
+        return seq.ngram_index.propose(seq.tokens, limit)
 
     def _step(self) -> list[Sequence]:
         step_start = time.perf_counter()

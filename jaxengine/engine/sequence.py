@@ -7,6 +7,7 @@ import time
 from jaxengine.cache.prefix_cache import Checkpoint
 from jaxengine.engine.outputs import Logprob
 from jaxengine.engine.sampling_params import SamplingParams
+from jaxengine.engine.speculative import NgramIndex
 
 
 class Status(enum.Enum):
@@ -65,6 +66,7 @@ class Sequence:
     cumulative_logprob: float = 0.0  # of its chosen tokens (kept when logprobs are asked)
     # Drafts for its next step: its last step made them (mtp, draft_model), or prompt lookup (ngram).
     step_drafts: list[int] = dataclasses.field(default_factory=list)
+    ngram_index: NgramIndex | None = None  # ngram's lookup over its tokens, kept up to date as they grow
     # Whether it speculates (drafts, and has the draft's state kept for it), decided at admission.
     speculates: bool = False
 

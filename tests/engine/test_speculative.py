@@ -7,9 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxengine import LLM, SamplingParams
-from jaxengine.engine.speculative import SpeculationGate, SpeculativeConfig, accept, ngram_proposal
+from jaxengine.engine.speculative import NgramIndex, SpeculationGate, SpeculativeConfig, accept
 from jaxengine.engine.step_executables import shape_key
 from jaxengine.run_config import ConfigError, load_run_config
 from tests.models.tiny_models import VOCAB_SIZE, hf_greedy, random_prompt, save_tiny_model
@@ -231,13 +233,41 @@ def test_accept_keeps_the_agreeing_prefix_and_the_target_token_after_it():
     assert accept([], [3]) == [3]
 
 
-def test_ngram_proposal_continues_the_latest_longest_match():
+def _lookup(tokens: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
+    return NgramIndex(lookup_min, lookup_max).propose(tokens, k)
+
+
+def test_ngram_lookup_continues_the_latest_longest_match():
     tokens = [1, 2, 3, 9, 1, 2, 3, 8, 7, 6, 1, 2, 3]
-    assert ngram_proposal(tokens, 2, 1, 3) == [8, 7]  # suffix 1 2 3: its latest earlier occurrence
-    assert ngram_proposal(tokens, 5, 1, 3) == [8, 7, 6, 1, 2]
-    assert ngram_proposal([1, 2, 3, 4], 3, 1, 3) == []  # no repeat
-    assert ngram_proposal([5, 1, 4, 2, 5], 3, 1, 3) == [1, 4, 2]  # only the 1-gram matches
-    assert ngram_proposal([5, 1, 4, 2, 5], 3, 2, 3) == []  # below prompt_lookup_min
+    assert _lookup(tokens, 2, 1, 3) == [8, 7]  # suffix 1 2 3: its latest earlier occurrence
+    assert _lookup(tokens, 5, 1, 3) == [8, 7, 6, 1, 2]
+    assert _lookup([1, 2, 3, 4], 3, 1, 3) == []  # no repeat
+    assert _lookup([5, 1, 4, 2, 5], 3, 1, 3) == [1, 4, 2]  # only the 1-gram matches
+    assert _lookup([5, 1, 4, 2, 5], 3, 2, 3) == []  # below prompt_lookup_min
+    assert _lookup([7, 7, 7], 2, 1, 3) == [7]  # the suffix 7 7 matches at 0 and ends before the last token
+
+
+def _brute_force_lookup(tokens: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """Prompt lookup by its definition: for n from the longest down, the latest i + n < len
+    with tokens[i:i+n] the last n tokens; the k tokens after it."""
+    for n in range(min(lookup_max, len(tokens) - 1), lookup_min - 1, -1):
+        for i in range(len(tokens) - n - 1, -1, -1):
+            if tokens[i : i + n] == tokens[-n:]:
+                return tokens[i + n : i + n + k]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 3), max_size=60), cuts=st.lists(st.integers(0, 60), max_size=8),
+       k=st.integers(0, 5), bounds=st.tuples(st.integers(1, 4), st.integers(0, 3)))
+def test_ngram_lookup_kept_up_to_date_matches_the_definition(tokens, cuts, k, bounds):
+    """One index, looked up as the tokens grow by uneven amounts (none, one, many), proposes
+    at every length what the definition proposes."""
+    lookup_min, lookup_max = bounds[0], bounds[0] + bounds[1]
+    index = NgramIndex(lookup_min, lookup_max)
+    for end in sorted(cuts) + [len(tokens)]:
+        end = min(end, len(tokens))
+        assert index.propose(tokens[:end], k) == _brute_force_lookup(tokens[:end], k, lookup_min, lookup_max)
 
 
 @pytest.mark.parametrize("config, field", [
