@@ -3,14 +3,14 @@
 Each warmed-up executable runs on an all-padding batch of its shape (median of 30 runs, the
 sampled tokens fetched each time): a plain engine's decode step; an ngram engine's verify
 step (k + 1 tokens per sequence); an MTP engine's decode step with no sequence speculating
-(the module skipped), with speculating ones without and with drafting for the next step, and
-its verify step (drafting). Engines as a user gets them but for
+(a shape without the module), with speculating ones without and with drafting for the next
+step, and its verify step (drafting). Engines as a user gets them but for
 `max_model_len` (512) and `num_speculative_tokens` (`--k`, 2).
 
 `--mixed-tokens T` also times the plain and the MTP engine's mixed step of T tokens at each
-batch size, sampled at temperature 0.7 (top-p 0.95) with no sequence verifying drafts (a
-prompt's step, or speculation turned off): the two executables called alternately (median of
-60 each), as what speculation that does not run still costs a mixed step.
+batch size, sampled at temperature 0.7 (top-p 0.95) with no sequence speculating (the MTP
+engine's shape without the module): the two executables called alternately (median of 60
+each), as what speculation that does not run still costs a mixed step.
 
 Usage (from the repository root):
   PYTHONPATH=. python scripts/bench_verify_steps.py --batch-sizes 1 16
@@ -53,7 +53,8 @@ def mixed_ms(engines: list[LLM], num_tokens: int, num_seqs: int, runs: int = 60)
     for llm in engines:
         engine = llm.engine
         shape = next(s for s in engine.shapes()
-                     if not s.decode and (s.num_tokens, s.num_seqs, s.sample_width) == (num_tokens, num_seqs, 1))
+                     if not s.decode and not s.runs_drafter
+                     and (s.num_tokens, s.num_seqs, s.sample_width) == (num_tokens, num_seqs, 1))
         batch, sampling = engine.builder.empty(shape)
         sampling = dataclasses.replace(sampling, temperature=np.full_like(sampling.temperature, 0.7),
                                        top_p=np.full_like(sampling.top_p, 0.95))
@@ -85,8 +86,10 @@ def main() -> None:
     for n in args.batch_sizes:
         decode = next(s for s in plain.engine.shapes() if s.decode and s.num_seqs == n and s.sample_width == 1)
         verify = next(s for s in mtp.engine.shapes() if s.decode and s.num_seqs == n and s.sample_width > 1)
+        with_module = dataclasses.replace(decode, runs_drafter=True)
         times = (step_ms(plain, decode, False), step_ms(ngram, verify, False), step_ms(mtp, decode, False),
-                 step_ms(mtp, decode, False, speculating=True), step_ms(mtp, decode, True), step_ms(mtp, verify, True))
+                 step_ms(mtp, with_module, False, speculating=True), step_ms(mtp, with_module, True),
+                 step_ms(mtp, verify, True))
         print(f"{n:4d} | " + " | ".join(f"{t:.2f}" for t in times))
     if args.mixed_tokens:
         print(f"seqs | plain mixed step, {args.mixed_tokens} tokens | MTP mixed step, no drafts (ms)")

@@ -6,6 +6,10 @@ buckets `S`. A decode step (one token per sequence) uses `T == S`; when speculat
 step (every sequence's pending token and up to k drafts, no prefill) uses `T == S * (k + 1)`.
 A step that verifies drafts, decode or mixed, samples k + 1 rows per sequence and keeps the
 states after its draft positions; one that verifies none runs in a plain engine's shape.
+With a drafter (an MTP module or a draft model), each shape that verifies no drafts comes
+twice: with the drafter, for steps in which some sequence speculates, and without it, for the
+others (a drafter skipped at run time still costs its arguments and empty loops: 5-12% of a
+decode step on CPU, `BENCHMARKS.md`).
 The checkpoints a step can store are part of its shape: a mixed step always has room for all
 it may plan; a decode or verify step stores a few per sequence at most, and most store none,
 so their shapes come in save buckets (0, 1, 4, ...) and a step pays only for the saves it has.
@@ -62,6 +66,7 @@ class Shape:
     num_saves: int = 0  # checkpoints the step can store
     sample_width: int = 1  # tokens sampled per sequence: its last `sample_width` (verify steps)
     num_position_states: int = 0  # states after draft positions the step can write to live slots
+    runs_drafter: bool = False  # the MTP module or draft model runs in it (some sequence speculates)
 
 
 def save_buckets(num_seqs: int) -> tuple[int, ...]:
@@ -90,6 +95,7 @@ class BatchBuilder:
         saves_checkpoints: bool = False,
         num_speculative_tokens: int = 0,
         recurrent: bool = False,
+        drafter: bool = False,
     ):
         self.token_buckets = token_buckets(max_num_batched_tokens)
         self.seq_buckets = seq_buckets(max_num_seqs)
@@ -104,6 +110,7 @@ class BatchBuilder:
         # k + 1 tokens and, with recurrent layers, keeping the state after each draft position.
         self.num_speculative_tokens = num_speculative_tokens
         self.recurrent = recurrent
+        self.drafter = drafter  # an MTP module or a draft model drafts inside the step
 
     def _verifying(self, s: int, verify: bool) -> dict:
         """A shape's room for drafts: a verify shape samples each sequence's last k + 1 rows
@@ -113,16 +120,17 @@ class BatchBuilder:
         k = self.num_speculative_tokens
         return dict(sample_width=k + 1, num_position_states=s * k if self.recurrent else 0)
 
-    def _mixed(self, t: int, s: int, verify: bool) -> Shape:
-        return Shape(t, s, decode=False, num_saves=self._mixed_saves(t, s), **self._verifying(s, verify))
+    def _mixed(self, t: int, s: int, verify: bool, drafter: bool) -> Shape:
+        return Shape(t, s, decode=False, num_saves=self._mixed_saves(t, s), runs_drafter=drafter,
+                     **self._verifying(s, verify))
 
     def seq_bucket(self, num_seqs: int) -> int:
         """The sequence bucket a step of `num_seqs` sequences runs in."""
         return _fit(num_seqs, self.seq_buckets)
 
-    def _decode(self, s: int, num_saves: int, verify: bool) -> Shape:
+    def _decode(self, s: int, num_saves: int, verify: bool, drafter: bool) -> Shape:
         t = s * (self.num_speculative_tokens + 1) if verify else s
-        return Shape(t, s, decode=True, num_saves=num_saves, **self._verifying(s, verify))
+        return Shape(t, s, decode=True, num_saves=num_saves, runs_drafter=drafter, **self._verifying(s, verify))
 
     def _decode_saves(self, s: int, verify: bool) -> tuple[int, ...]:
         """The save buckets of decode (verify) shapes: a sequence's 1 (k + 1) tokens reach at
@@ -140,26 +148,31 @@ class BatchBuilder:
     def shapes(self) -> list[Shape]:
         """Every shape a run can hit: mixed steps for each (T, S) pair that some batch can fill
         (at least one token per sequence), and decode steps for each S and save bucket; when
-        speculating, each of them also as a verify shape."""
+        speculating, each of them also as a verify shape; with a drafter, the verify shapes with
+        it and the others both with and without it."""
         token_b, seq_b = self.token_buckets, self.seq_buckets
+        variants = [(False, False)]  # (verify, runs_drafter)
+        if self.num_speculative_tokens:
+            variants += [(False, True), (True, True)] if self.drafter else [(True, False)]
         shapes = []
-        for verify in (False, True) if self.num_speculative_tokens else (False,):
+        for verify, drafter in variants:
             for t in token_b:
                 for i, s in enumerate(seq_b):
                     fewest_seqs = seq_b[i - 1] + 1 if i else 1
                     if fewest_seqs <= t:
-                        shapes.append(self._mixed(t, s, verify))
+                        shapes.append(self._mixed(t, s, verify, drafter))
             for s in seq_b:
                 for c in self._decode_saves(s, verify):
-                    shapes.append(self._decode(s, c, verify))
+                    shapes.append(self._decode(s, c, verify, drafter))
         return shapes
 
     def shape_of(self, step: ScheduledStep) -> Shape:
         s = _fit(len(step.seqs), self.seq_buckets)
         verify = any(step.drafts)
+        drafter = self.drafter and any(seq.speculates for seq in step.seqs)
         if step.is_decode:
-            return self._decode(s, _fit(len(step.saves), self._decode_saves(s, verify)), verify)
-        return self._mixed(_fit(step.total_tokens, self.token_buckets), s, verify)
+            return self._decode(s, _fit(len(step.saves), self._decode_saves(s, verify)), verify, drafter)
+        return self._mixed(_fit(step.total_tokens, self.token_buckets), s, verify, drafter)
 
     def empty(self, shape: Shape) -> tuple[StepBatch, SamplingBatch]:
         """An all-padding batch of `shape` (used for warm-up): touches only the null sinks."""
@@ -167,7 +180,9 @@ class BatchBuilder:
 
     def build(self, step: ScheduledStep, shape: Shape | None = None, *, drafting: bool = False
               ) -> tuple[StepBatch, SamplingBatch]:
-        """The step's arrays; `drafting`: its sequences may verify drafts in the next step."""
+        """The step's arrays; `drafting`: its sequences may verify drafts in the next step.
+        The drafter's inputs (`following_ids`, `wants_drafts`, `speculates`) are empty in a
+        shape without it."""
         shape = shape or self.shape_of(step)
         t_size, s_size = shape.num_tokens, shape.num_seqs
         ids = np.zeros(t_size, np.int32)
@@ -281,4 +296,7 @@ class BatchBuilder:
             bad_ids=bad_ids, sample_rows=sample_rows, num_drafts=num_drafts, next_ids=next_ids,
             following_ids=following_ids, wants_drafts=wants_drafts, speculates=speculates,
         )
+        if not shape.runs_drafter:
+            sampling = dataclasses.replace(
+                sampling, following_ids=following_ids[:0], wants_drafts=wants_drafts[:0], speculates=speculates[:0])
         return batch, sampling

@@ -156,6 +156,7 @@ class LLMEngine:
             saves_checkpoints=caching and blocks_per_checkpoint > 0,
             num_speculative_tokens=k,
             recurrent=bool(cfg.num_recurrent_layers),
+            drafter=self.drafts_in_step,
         )
         if caching and cfg.num_recurrent_layers:
             logger.info(
@@ -451,7 +452,7 @@ class LLMEngine:
             raise RuntimeError("nothing could be scheduled although requests are pending")
         self._note_pool_use()
         shape = self._shape_for(scheduled)
-        drafting_next = self.drafts_in_step and self._may_draft_next(scheduled.seqs, shape.num_seqs)  # for the next
+        drafting_next = shape.runs_drafter and self._may_draft_next(scheduled.seqs, shape.num_seqs)  # for the next
         batch, sampling = self.builder.build(scheduled, shape, drafting=drafting_next)
         start = time.perf_counter()
         out = self.runner.sample(batch, sampling, decode=shape.decode)
@@ -513,7 +514,7 @@ class LLMEngine:
 
     def _plain(self, scheduled: ScheduledStep) -> bool:
         """Whether a step did none of the speculative method's own work (ngram has none; the
-        MTP module and the draft model skip a step where no sequence speculates)."""
+        MTP module and the draft model are not run in a step where no sequence speculates)."""
         return not self.drafts_in_step or not any(seq.speculates for seq in scheduled.seqs)
 
     def _record_prompt_logprobs(self, scheduled: ScheduledStep, prompt: PromptLogprobs) -> None:
@@ -674,22 +675,24 @@ class LLMEngine:
 
 def _key(shape: Shape) -> ShapeKey:
     """The runner's key of a shape's executable."""
-    return shape.num_tokens, shape.num_seqs, shape.num_saves, shape.decode, shape.sample_width
+    return shape.num_tokens, shape.num_seqs, shape.num_saves, shape.decode, shape.sample_width, shape.runs_drafter
 
 
-def _size(shape: Shape) -> tuple[int, int, bool, int, int, int]:
+def _size(shape: Shape) -> tuple[int, int, bool, int, int, int, bool]:
     return (shape.num_tokens, shape.num_seqs, not shape.decode, shape.num_saves, shape.sample_width,
-            shape.num_position_states)
+            shape.num_position_states, shape.runs_drafter)
 
 
 def _covers(big: Shape, small: Shape) -> bool:
     """Whether a step of shape `small` fits `big`: no dimension smaller, and a decode step
     fits a mixed shape (a mixed step handles any tokens per sequence) but not the reverse (a
-    verify shape is a decode shape with more tokens per sequence: a plain decode step fits it)."""
+    verify shape is a decode shape with more tokens per sequence: a plain decode step fits it);
+    a shape with the drafter fits a step without it (the drafter skips it at run time)."""
     return (big.num_tokens >= small.num_tokens and big.num_seqs >= small.num_seqs
             and big.num_saves >= small.num_saves and (big.decode == small.decode or not big.decode)
             and (not big.decode or big.num_tokens // big.num_seqs >= small.num_tokens // small.num_seqs)
-            and big.sample_width >= small.sample_width and big.num_position_states >= small.num_position_states)
+            and big.sample_width >= small.sample_width and big.num_position_states >= small.num_position_states
+            and big.runs_drafter >= small.runs_drafter)
 
 
 def _share_speculating(seqs: list[Sequence]) -> float:

@@ -59,8 +59,9 @@ def _sample_step(
 ) -> tuple[SampleOutput, Pools | None, Pools]:
     """One engine step: forward, then sample each sequence's sample rows on device (and the
     prompt log-probabilities of the tokens `sampling.next_ids` asks for); with an MTP module
-    or a draft model, `num_step_drafts` drafts per sequence for the next step. The pools come
-    back in the shardings `placement` (the draft's, the target's): those they came in."""
+    or a draft model (in a step that runs it: `sampling.runs_drafter`; else `draft_leaves` are
+    [] and `draft_pools` None), `num_step_drafts` drafts per sequence for the next step. The
+    pools come back in the shardings `placement` (the draft's, the target's): those they came in."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
     h, pools = model(pools, batch, decode=decode, hidden=True)  # [T, D]
     out = sample_tokens(model.head(h[sampling.sample_rows.reshape(-1)]), sampling, num_logprobs)  # [S, W, ...]
@@ -70,17 +71,18 @@ def _sample_step(
     def choose(logits: jax.Array, i: int | jax.Array) -> jax.Array:
         return draft_tokens(logits, sampling, last, i)
 
-    if model.mtp is not None:
+    if model.mtp is not None and sampling.runs_drafter:
         drafts, pools = mtp_drafts(model, pools, batch, sampling.sample_rows, sampling.num_drafts,
                                    sampling.following_ids, sampling.wants_drafts, sampling.speculates, h, out.tokens,
                                    last, choose, num_step_drafts, kernel_ops(model.kernels))
         out = dataclasses.replace(out, drafts=drafts)
-    if draft_graphdef is not None:
-        draft = nnx.merge(draft_graphdef, jax.tree.unflatten(draft_treedef, draft_leaves))
-        drafts, draft_pools = draft_model_drafts(draft, draft_pools, batch, sampling.sample_rows, sampling.num_drafts,
-                                                 sampling.wants_drafts, sampling.speculates, out.tokens, last, choose,
-                                                 num_step_drafts, decode)
-        out = dataclasses.replace(out, drafts=drafts)
+    if draft_pools is None:  # no draft model, or a step without it
+        return _everywhere(out), None, jax.lax.with_sharding_constraint(pools, placement[1])
+    draft = nnx.merge(draft_graphdef, jax.tree.unflatten(draft_treedef, draft_leaves))
+    drafts, draft_pools = draft_model_drafts(draft, draft_pools, batch, sampling.sample_rows, sampling.num_drafts,
+                                             sampling.wants_drafts, sampling.speculates, out.tokens, last, choose,
+                                             num_step_drafts, decode)
+    out = dataclasses.replace(out, drafts=drafts)
     # The pools in the order jit flattens the (keyword) arguments: it gives each donated
     # input buffer to the first output of its shape, and a draft may have the target's shapes.
     draft_pools, pools = jax.lax.with_sharding_constraint((draft_pools, pools), placement)
@@ -198,8 +200,8 @@ class ModelRunner:
     ) -> tuple[SampleOutput, Pools | None, Pools]:
         """Runs a step executable on the current pools (donating them) and returns the new
         ones (the draft model's, then the target's)."""
-        return executable(param_leaves=self.param_leaves, draft_leaves=self.draft_leaves, pools=self.pools,
-                          draft_pools=self.draft_pools, batch=batch, sampling=sampling)
+        out, draft_pools, pools = executable(**self._step_args(batch, sampling, self.pools, self.draft_pools))
+        return out, draft_pools if sampling.runs_drafter else self.draft_pools, pools
 
     def executable(self, batch: StepBatch, sampling: SamplingBatch, *, decode: bool) -> jax.stages.Compiled:
         """The step executable for this batch's shape: ready, loaded from the store, or compiled."""
@@ -207,17 +209,21 @@ class ModelRunner:
 
     def _lower(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Lowered:
         with jax.set_mesh(self.mesh):  # kernels run on each device's heads (`kernels.py`)
-            return self.sample_step.lower(**self._step_args(batch, sampling), decode=decode,
-                                          num_logprobs=self.num_logprobs, num_step_drafts=self.num_step_drafts)
+            args = self._step_args(batch, sampling, self.pool_specs, self.draft_pool_specs)
+            return self.sample_step.lower(**args, decode=decode, num_logprobs=self.num_logprobs,
+                                          num_step_drafts=self.num_step_drafts)
 
     def _file_key(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> str:
         static = dict(decode=decode, num_logprobs=self.num_logprobs, num_step_drafts=self.num_step_drafts,
                       model=self._baked)
-        return self.steps.store.key(static, *self._step_args(batch, sampling).values())
+        return self.steps.store.key(static, *self._step_args(batch, sampling, self.pool_specs,
+                                                              self.draft_pool_specs).values())
 
-    def _step_args(self, batch: StepBatch, sampling: SamplingBatch) -> dict:
-        return dict(param_leaves=self.param_leaves, draft_leaves=self.draft_leaves, pools=self.pool_specs,
-                    draft_pools=self.draft_pool_specs, batch=batch, sampling=sampling)
+    def _step_args(self, batch: StepBatch, sampling: SamplingBatch, pools: Pools, draft_pools: Pools | None) -> dict:
+        """A step's arguments: the draft model's parameters and pools only to a step that runs it."""
+        drafter = sampling.runs_drafter
+        return dict(param_leaves=self.param_leaves, draft_leaves=self.draft_leaves if drafter else [], pools=pools,
+                    draft_pools=draft_pools if drafter else None, batch=batch, sampling=sampling)
 
     def num_compiled_steps(self) -> int:
         """How many step executables this runner has compiled or loaded (for recompile checks)."""

@@ -39,9 +39,15 @@ class SamplingBatch:
     sample_rows: jax.Array  # [S, W] int32: flat token index of each sample row (the last W tokens)
     num_drafts: jax.Array  # [S] int32: drafts among them (0: only the last row is used)
     next_ids: jax.Array  # [T] int32: per token, the prompt token after it whose log-probability is asked, or -1
+    # The drafter's (the MTP module's or draft model's) inputs; [0] in a step without it.
     following_ids: jax.Array  # [T] int32: per token, the token after it where the host knows it, else -1 (MTP's input)
     wants_drafts: jax.Array  # [S] bool: the sequence may verify drafts next step (the MTP module drafts for it)
     speculates: jax.Array  # [S] bool: the sequence speculates (the MTP module runs over a step's tokens if one does)
+
+    @property
+    def runs_drafter(self) -> bool:
+        """Whether the step runs the MTP module or draft model (compiled with it)."""
+        return self.speculates.shape[0] > 0
 
 
 @jax.tree_util.register_dataclass
@@ -191,9 +197,10 @@ def _largest(holds: Callable[[jax.Array], jax.Array], num_rows: int) -> jax.Arra
 
 def _per_row(seq_sb: SamplingBatch, rows: RowSettings) -> SamplingBatch:
     """The sequences' settings gathered per row (the history stays per sequence: `rows` says
-    how much of it each row counts)."""
+    how much of it each row counts; the drafter's inputs are not sampling settings)."""
     per_row = {f.name: getattr(seq_sb, f.name)[rows.seq] for f in dataclasses.fields(seq_sb)
-               if f.name not in ("history", "sample_rows", "steps", "next_ids", "following_ids")}
+               if f.name not in ("history", "sample_rows", "steps", "next_ids", "following_ids", "wants_drafts",
+                                 "speculates")}
     return dataclasses.replace(seq_sb, **per_row, steps=rows.steps)
 
 

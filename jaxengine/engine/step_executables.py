@@ -26,7 +26,8 @@ from jaxengine.models.batch import StepBatch
 logger = logging.getLogger(__name__)
 
 WARM_UP_THREADS = 2  # measured on 2 cores: loads 2x, compiles 1.2x faster than one thread
-ShapeKey = tuple[int, int, int, bool, int]  # tokens, sequences, checkpoint saves, decode, rows sampled per sequence
+# tokens, sequences, checkpoint saves, decode, rows sampled per sequence, runs the drafter
+ShapeKey = tuple[int, int, int, bool, int, bool]
 Item = tuple[StepBatch, SamplingBatch, bool]  # an all-padding batch of a shape; decode or not
 
 _LIVE: "weakref.WeakSet[StepExecutables]" = weakref.WeakSet()
@@ -34,7 +35,7 @@ _LIVE: "weakref.WeakSet[StepExecutables]" = weakref.WeakSet()
 
 def shape_key(batch: StepBatch, sampling: SamplingBatch, decode: bool) -> ShapeKey:
     return (batch.input_ids.shape[0], batch.kv_lens.shape[0], batch.save_seq.shape[0], decode,
-            sampling.sample_rows.shape[1])
+            sampling.sample_rows.shape[1], sampling.runs_drafter)
 
 
 class StepExecutables:

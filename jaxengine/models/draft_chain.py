@@ -7,7 +7,8 @@ too, and its recurrent states in live slots of the same indices. Every step with
 that speculates runs it over the step's tokens, as the target, so every position such a
 sequence computes has the draft's KV entry and state (a prefix hit brings the draft's with the
 target's; nothing is recomputed for it). A step where no sequence speculates (the engine
-admits requests without speculation where it does not pay) skips it; the cache blocks those
+admits requests without speculation where it does not pay) runs in a shape compiled without
+it (`BatchBuilder`), or, in one with it while that compiles, skips it; the cache blocks those
 steps fill are marked as lacking the draft's state, and a hit on them does not speculate.
 
 Then, when some sequence may verify drafts next step, it drafts k tokens per sequence

@@ -22,7 +22,8 @@ drafts or not, so every position a speculating sequence computes has its MTP KV 
 token after each is known to the host (`following_ids`) or is the step's own sample there
 (at a verify step's rows the sample equals the draft wherever the draft was accepted, and
 is the target's correction at the first rejection). A step where no sequence speculates (the
-engine admits requests without speculation where it does not pay) skips the module.
+engine admits requests without speculation where it does not pay) runs in a shape compiled
+without the module (`BatchBuilder`), or, in one with it while that compiles, skips it.
 """
 
 import dataclasses

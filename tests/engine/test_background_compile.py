@@ -31,7 +31,8 @@ def test_only_the_largest_shapes_wait_and_tokens_are_those_of_exact_shapes(tiny_
         assert len(steps.ready) < len(shapes)  # the rest was left to the background thread
         largest_mixed = max((s for s in shapes if not s.decode), key=lambda s: (s.num_tokens, s.num_seqs))
         width = 1 + (speculative_config or {}).get("num_speculative_tokens", 0)
-        assert (largest_mixed.num_tokens, largest_mixed.num_seqs, largest_mixed.num_saves, False, width) in steps.ready
+        key = (largest_mixed.num_tokens, largest_mixed.num_seqs, largest_mixed.num_saves, False, width, False)
+        assert key in steps.ready  # (without a drafter: neither has an MTP module or draft model)
         early = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]  # while shapes compile
         assert steps.compiled_on_demand == 0
         if speculative_config:
@@ -54,3 +55,7 @@ def test_a_step_fits_shapes_no_smaller_and_decode_fits_mixed():
     verify = Shape(16, 4, False, 8, sample_width=3, num_position_states=8)  # a mixed step verifying 2 drafts
     assert _covers(verify, mixed) and not _covers(mixed, verify)
     assert _covers(verify, Shape(12, 4, True, 1, sample_width=3, num_position_states=8))
+    # With the MTP module or draft model: a step in which no sequence speculates (no drafter)
+    # fits the drafter's shape, which skips it at run time; not the reverse.
+    drafter = Shape(16, 4, False, 8, runs_drafter=True)
+    assert _covers(drafter, mixed) and not _covers(mixed, drafter)

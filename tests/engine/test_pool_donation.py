@@ -26,13 +26,15 @@ def _ops_on_pool_shapes(hlo: str, pool_shapes: set[tuple[int, ...]]) -> list[str
 
 def assert_no_step_copies_a_pool(engine, decode: bool, num_seqs: tuple[int, ...] = (1, 4)) -> None:
     """Compiles the step of one sequence (where XLA turns the slot gather into a dynamic slice)
-    and of four, and looks for copies among the instructions of the pools' shapes."""
+    and of four (with the MTP module or draft model where the engine has one), and looks for
+    copies among the instructions of the pools' shapes."""
     runner = engine.runner
     pools = jax.tree.leaves((runner.pools, runner.draft_pools))  # a draft model's too
     # The compiled step works on each device's shard (all of a pool on one device).
     pool_shapes = {tuple(p.sharding.shard_shape(p.shape)) for p in pools}
     shapes = [
-        min((s for s in engine.shapes() if s.decode == decode and s.num_seqs == n), key=lambda s: s.num_tokens)
+        min((s for s in engine.shapes() if s.decode == decode and s.num_seqs == n),
+            key=lambda s: (s.num_tokens, not s.runs_drafter))
         for n in num_seqs
     ]
     for shape in shapes:

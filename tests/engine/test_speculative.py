@@ -108,6 +108,8 @@ def check_admission_without_speculation(engine, model, pools_name: str, k_index:
         return seq
 
     assert not generate(first).speculates
+    ready = engine.runner.steps.ready  # by shape key, the last entry: the step runs the draft
+    assert ready and not any(key[-1] for key in ready)  # its steps were compiled without the draft
     pages = cached_pages()
     assert len(pages) == (41 + 12) // ARGS["page_size"] and not any(written(pages))
     again = generate(first)
@@ -115,6 +117,7 @@ def check_admission_without_speculation(engine, model, pools_name: str, k_index:
     assert asked == [1]  # a hit without the draft's state is not the gate's to decide
     assert not any(written(cached_pages())) and engine.spec_stats.verifies == 0
     assert generate(other).speculates
+    assert any(key[-1] for key in ready)
     new = cached_pages() - pages
     assert len(new) >= 41 // ARGS["page_size"] and all(written(new)) and engine.spec_stats.verifies > 0
     stats = engine.stats()
@@ -146,7 +149,7 @@ def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_p
     stats = llm.stats()
     assert stats["spec_draft_tokens"] > 0 and stats["tokens_hit"] > 0
     # Some drafts were verified in a verify step (no prefill: T = S * (k + 1), one-token updates).
-    assert any(decode and t == s * (K + 1) for t, s, _, decode, _ in llm.engine.runner.steps.ready)
+    assert any(decode and t == s * (K + 1) for t, s, _, decode, *_ in llm.engine.runner.steps.ready)
 
     llm.engine.draft = _oracle(continuation, wrong=False)
     before = llm.stats()
