@@ -5,7 +5,6 @@ import atexit
 import collections
 import json
 import os
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -15,6 +14,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxengine.engine import vllm_args
+from jaxengine.engine.caller_lock import CallerLock
 from jaxengine.engine.data_parallel import DataParallelEngine
 from jaxengine.engine.engine_config import EngineConfig, check_engine_keys
 from jaxengine.engine.interrupts import deferred_interrupts
@@ -64,7 +64,7 @@ class LLM:
         self._sampling_defaults = {ours: generation[theirs] for theirs, ours in GENERATION_DEFAULTS.items()
                                    if generation.get(theirs) is not None}
         self.max_model_len = self.engine.max_model_len
-        self._lock = threading.RLock()
+        self._lock = CallerLock()
         self._stepping = False  # a step is running (under the lock)
         self._dropped: collections.deque[list[EngineSequence]] = collections.deque()  # by dropped streams
         self._inbox: collections.deque[EngineSequence] = collections.deque()  # submitted, not queued yet
@@ -155,7 +155,8 @@ class LLM:
                     self.engine.step()
                 finally:
                     self._stepping = False
-            time.sleep(0)  # let waiting callers run: they may have news, or requests to add
+            if self._lock.contended:
+                time.sleep(0)  # let a caller waiting for the lock in
 
     def _abort(self, seqs: list[EngineSequence]) -> None:
         with self._lock, deferred_interrupts():

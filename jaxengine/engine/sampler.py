@@ -73,7 +73,7 @@ class SampleOutput:
     """What the step returns per sequence."""
 
     tokens: jax.Array  # [S, W] int32
-    logprob: jax.Array  # [S, W] float32: raw log-probability of the chosen token
+    logprob: jax.Array  # [S, W] float32: raw log-probability of the chosen token (0 unless asked)
     top_logprobs: jax.Array  # [S, W, K] float32: the K most likely tokens' raw log-probabilities (0 unless asked)
     top_ids: jax.Array  # [S, W, K] int32 (0 unless some row asked)
     rank: jax.Array  # [S, W] int32: the chosen token's rank in the raw distribution, 1 = most likely (0 unless asked)
@@ -179,6 +179,14 @@ def _filter(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     return jnp.where(p < sb.min_p[:, None] * p.max(axis=-1, keepdims=True), -jnp.inf, logits)
 
 
+def _argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` of rows `x` [R, V] -> [R] int32 (the first largest value, or
+    the first NaN), as two plain reductions: XLA:CPU runs them in half of argmax's time."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == top) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
+
+
 def _order_keys(x: jax.Array) -> jax.Array:
     """float32 -> uint32 keys in the same order (-0.0 as 0.0; every number's key is above 0)."""
     bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
@@ -216,16 +224,16 @@ def _choose(logits: jax.Array, sb: SamplingBatch, rows: RowSettings) -> jax.Arra
         sb.presence_penalty != 0
     )
     logits = jax.lax.cond(penalised, _apply_penalties, lambda logits, sb, rows: logits, logits, sb, rows)
-    greedy = jnp.argmax(logits, axis=-1)
+    greedy = _argmax(logits)
     temp = jnp.where(sb.temperature > 0, sb.temperature, 1.0)
 
-    def draw(row: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
-        return jax.random.categorical(jax.random.fold_in(jax.random.key(seed), step), row)
+    def noise(seed: jax.Array, step: jax.Array) -> jax.Array:  # [V]: what `jax.random.categorical` adds
+        return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), step), logits.shape[-1:])
 
-    def sample(scaled: jax.Array) -> jax.Array:  # [R, V] -> [R]
-        return jax.vmap(draw)(_filter(scaled, sb), sb.seeds, sb.steps).astype(greedy.dtype)
+    def sample(scaled: jax.Array) -> jax.Array:  # [R, V] -> [R]: categorical's draw, argmax(logits + noise)
+        return _argmax(_filter(scaled, sb) + jax.vmap(noise)(sb.seeds, sb.steps))
 
-    # The filters sort the vocabulary and the draw makes V random numbers per row: skip
+    # The filters search the vocabulary and the draw makes V random numbers per row: skip
     # both when every row is greedy.
     drawn = jax.lax.cond(jnp.any(sb.temperature > 0), sample, lambda scaled: greedy, logits / temp[:, None])
     return jnp.where(sb.temperature > 0, drawn, greedy).astype(jnp.int32)
@@ -238,21 +246,20 @@ def sample_tokens(logits: jax.Array, seq_sb: SamplingBatch, num_logprobs: int) -
     rows = row_settings(seq_sb)
     sb = _per_row(seq_sb, rows)
     logits = jnp.asarray(logits, jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     tokens = _choose(logits, sb, rows)
 
-    chosen = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-
-    def top(logprobs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def top(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        logprobs = jax.nn.log_softmax(logits, axis=-1)  # raw: before any setting
+        chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
         rank, values, ids = _top_and_rank(logprobs, chosen, num_logprobs)
-        return values, ids, rank
+        return chosen, values, ids, rank
 
-    def none(logprobs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        rows = logprobs.shape[0]
+    def none(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        rows = logits.shape[0]
         zeros = jnp.zeros((rows, num_logprobs), jnp.int32)
-        return zeros.astype(jnp.float32), zeros, jnp.zeros((rows,), jnp.int32)
+        return jnp.zeros((rows,), jnp.float32), zeros.astype(jnp.float32), zeros, jnp.zeros((rows,), jnp.int32)
 
-    top_logprobs, top_ids, rank = jax.lax.cond(jnp.any(sb.wants_logprobs), top, none, raw_logprobs)
+    chosen, top_logprobs, top_ids, rank = jax.lax.cond(jnp.any(sb.wants_logprobs), top, none, logits)
     by_seq = lambda a: a.reshape(num_seqs, width, *a.shape[1:])  # noqa: E731
     return SampleOutput(by_seq(tokens), by_seq(chosen), by_seq(top_logprobs), by_seq(top_ids), by_seq(rank))
 

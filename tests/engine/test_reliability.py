@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxengine import LLM, SamplingParams
+from jaxengine.engine.caller_lock import CallerLock
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.scheduler import Scheduler
 from tests.models.tiny_models import VOCAB_SIZE, random_prompt, save_tiny_model
@@ -204,6 +205,45 @@ def test_eight_threads_fifty_calls_each(llm, expected):
         th.join()
     assert not failures
     _assert_sound(llm, expected[1])
+
+
+def test_a_thread_waiting_for_the_lock_gets_in_between_another_callers_steps(llm, expected):
+    """The lock is free between steps: a `stats()` call from another thread is answered while
+    a long request is still running."""
+    long = threading.Thread(target=_tokens, args=(llm, [random_prompt(4, 8)],
+                                                  [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)]))
+    long.start()
+    deadline = time.monotonic() + 60
+    while not llm.engine.scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.001)
+    llm.stats()
+    answered_while_running = long.is_alive()
+    long.join()
+    assert answered_while_running
+    _assert_sound(llm, expected[1])
+
+
+def test_caller_lock_says_whether_a_thread_waits_for_it():
+    lock = CallerLock()
+    entered = []
+
+    def waiter() -> None:
+        with lock:
+            entered.append(lock.contended)
+
+    with lock:
+        with lock:  # re-entrant
+            assert not lock.contended
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not lock.contended and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert lock.contended and not entered
+    thread.join()
+    assert entered == [False] and not lock.contended
+    assert lock.acquire(blocking=False)
+    lock.release()
 
 
 def test_closed_and_dropped_streams_abort_their_requests(llm, expected):

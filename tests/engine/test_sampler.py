@@ -3,6 +3,8 @@
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxengine.engine import sampler
 from jaxengine.engine.sampler import SamplingBatch
@@ -177,8 +179,29 @@ def test_top_logprobs_only_when_some_row_asks():
     out = sample_tokens(logits, _batch(2, wants_logprobs=[False, False]), num_logprobs=3)
     np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
     np.testing.assert_array_equal(out.top_ids, 0)
+    np.testing.assert_array_equal(out.logprob, 0)
     asked = sample_tokens(logits, _batch(2, wants_logprobs=[False, True]), num_logprobs=3)
     np.testing.assert_array_equal(asked.top_ids[1], np.argsort(-logits[1])[:3])
+    np.testing.assert_allclose(asked.logprob[1], logits[1].max() - np.log(np.exp(logits[1]).sum()), rtol=1e-5)
+
+
+def test_a_draw_is_jax_categorical_with_the_rows_key():
+    """The draw is `jax.random.categorical` under key (seed, output index), written apart from it."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(6, 64)).astype(np.float32) * 2
+    seeds, steps = np.arange(20, 26, dtype=np.uint32), np.array([0, 1, 7, 3, 100, 2], np.int32)
+    out = sample_tokens(logits, _batch(6, temperature=np.full(6, 0.5), seeds=seeds, steps=steps), num_logprobs=1)
+    keys = [jax.random.fold_in(jax.random.key(int(seed)), int(step)) for seed, step in zip(seeds, steps)]
+    expected = [int(jax.random.categorical(key, row / 0.5)) for key, row in zip(keys, logits)]
+    np.testing.assert_array_equal(out.tokens, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0.0, 1.0, 2.5, -1.0, np.inf, -np.inf, np.nan]), min_size=5, max_size=5),
+                min_size=1, max_size=4))
+def test_argmax_is_numpys_on_ties_infinities_and_nan(rows):
+    x = np.array(rows, np.float32)
+    np.testing.assert_array_equal(jax.jit(sampler._argmax)(x), np.argmax(x, axis=-1))
 
 
 def test_verify_rows_draw_each_output_index_as_a_plain_step_would():
