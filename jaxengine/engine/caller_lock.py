@@ -1,10 +1,11 @@
 """The lock an `LLM` takes around engine work, which knows whether another thread waits for it.
 
 The thread that runs steps (for every caller) releases the lock between steps and takes it
-again at once; a thread waiting for it (`stats`, `abort`, `prompt_logits` from another thread)
-only gets in if the stepping thread yields. Yielding (`time.sleep(0)`) costs tens of
-microseconds, a tenth of a one-sequence decode step on a CPU, so it yields only while someone
-waits (`contended`).
+again at once. A thread waiting for it (`stats`, `abort`, `prompt_logits` from another thread)
+is woken by the release, but the stepping thread may take the lock again first; yielding
+(`time.sleep(0)`) lets the waiter in. A yield costs tens of microseconds (about 70 on a 2-core
+CPU, near a tenth of the default model's one-sequence decode step there), so the stepping
+thread yields only while someone waits (`contended`).
 """
 
 import collections
