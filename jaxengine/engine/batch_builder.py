@@ -187,7 +187,8 @@ class BatchBuilder:
         t_size, s_size = shape.num_tokens, shape.num_seqs
         ids = np.zeros(t_size, np.int32)
         next_ids = np.full(t_size, -1, np.int32)
-        following_ids = np.full(t_size, -1, np.int32)
+        drafter = shape.runs_drafter
+        following_ids = np.full(t_size if drafter else 0, -1, np.int32)
         cu = np.full(s_size + 1, step.total_tokens, np.int32)
         kv_lens = np.zeros(s_size, np.int32)
         page_table = np.zeros((s_size, self.pages_per_seq), np.int32)
@@ -210,8 +211,8 @@ class BatchBuilder:
         banned = np.full((s_size, MAX_STOP_TOKEN_IDS), -1, np.int32)
         min_tokens = np.zeros(s_size, np.int32)
         wants_logprobs = np.zeros(s_size, bool)
-        wants_drafts = np.zeros(s_size, bool)
-        speculates = np.zeros(s_size, bool)
+        wants_drafts = np.zeros(s_size if drafter else 0, bool)
+        speculates = np.zeros(s_size if drafter else 0, bool)
         bias_ids = np.full((s_size, MAX_LOGIT_BIAS), -1, np.int32)
         bias_values = np.zeros((s_size, MAX_LOGIT_BIAS), f32)
         allowed_ids = np.full((s_size, MAX_ALLOWED_TOKEN_IDS), -1, np.int32)
@@ -232,8 +233,9 @@ class BatchBuilder:
             if seq.params.prompt_logprobs is not None:  # each prompt token's log-probability, from the one before
                 asked = range(start, min(start + n, seq.num_prompt_tokens - 1))
                 next_ids[offset : offset + len(asked)] = tokens[start + 1 : start + 1 + len(asked)]
-            known = seq.tokens[start + 1 : start + n + 1]  # not the drafts: their sample rows say what follows
-            following_ids[offset : offset + len(known)] = known
+            if drafter:
+                known = seq.tokens[start + 1 : start + n + 1]  # not the drafts: their sample rows say what follows
+                following_ids[offset : offset + len(known)] = known
             cu[i] = offset
             sample_rows[i] = offset + np.maximum(np.arange(n - width, n), 0)
             offset += n
@@ -261,8 +263,9 @@ class BatchBuilder:
             prompt_lens[i] = seq.num_prompt_tokens
             min_tokens[i] = p.min_tokens
             wants_logprobs[i] = p.logprobs is not None
-            wants_drafts[i] = drafting and seq.speculates and not seq.bad_word_ids
-            speculates[i] = seq.speculates
+            if drafter:
+                wants_drafts[i] = drafting and seq.speculates and not seq.bad_word_ids
+                speculates[i] = seq.speculates
             if seq.num_output_tokens < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 banned[i, : len(stops)] = stops[:MAX_STOP_TOKEN_IDS]
@@ -296,7 +299,4 @@ class BatchBuilder:
             bad_ids=bad_ids, sample_rows=sample_rows, num_drafts=num_drafts, next_ids=next_ids,
             following_ids=following_ids, wants_drafts=wants_drafts, speculates=speculates,
         )
-        if not shape.runs_drafter:
-            sampling = dataclasses.replace(
-                sampling, following_ids=following_ids[:0], wants_drafts=wants_drafts[:0], speculates=speculates[:0])
         return batch, sampling
