@@ -1,7 +1,7 @@
 """Prefix caching on vs off, side by side, on a hybrid and a plain-transformer model.
 
     python scripts/bench_prefix_cache.py [--json bench_prefix_cache.json] [--questions 64]
-        [--workloads system-prompt,short-prefix,conversations] [--cache-mib 8 24]
+        [--workloads system-prompt,short-prefix,conversations,agentic] [--cache-mib 8 24]
 
 Workloads (token-id prompts, greedy, the same for every configuration):
   system-prompt   a 2048-token shared system prompt followed by distinct 32-token questions,
@@ -11,14 +11,24 @@ Workloads (token-id prompts, greedy, the same for every configuration):
                   the same cache pool bytes (`--cache-mib`, KV pages and checkpoints
                   together); reports hit rate and the bytes pages and checkpoints hold, per
                   retention interval (dense is the default);
-  short-prefix    a 200-token shared prefix (shorter than any large block): must hit.
+  short-prefix    a 200-token shared prefix (shorter than any large block): must hit;
+  agentic         interleaved agent sessions over a shared tool specification, one request at
+                  a time on the hybrid, each turn's prompt the last one's, the engine's own
+                  answer and a tool result; the same requests (with the answers the engine
+                  gave) are then replayed through `replay_prefix_trace.py` at the engine's
+                  pool size: the engine's `hit_rate` and `tokens_lost_for_want_of_checkpoint`
+                  must follow the replay's.
 The hybrid model is the embedded default (Bamba); the plain transformer is a Llama of the
 same width and depth with random weights (speed and hit rates do not depend on the weights).
 """
 
 import argparse
+import contextlib
+import io
 import json
+import math
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +40,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from jaxengine import LLM, SamplingParams
 from jaxengine.models.config import load_model_config
 from jaxengine.run_config import DEFAULT_MODEL
+
+sys.path.insert(0, str(Path(__file__).parent))
+import make_prefix_trace  # noqa: E402
+import replay_prefix_trace  # noqa: E402
 
 ENGINE = dict(max_model_len=2560, max_num_seqs=16, max_num_batched_tokens=512, page_size=16)
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -92,6 +106,39 @@ def _conversations(model: Path, retention: int | None, cache_bytes: int) -> dict
     return {k: stats[k] for k in keys}
 
 
+def _agentic(model: Path, cache_bytes: int, out: Path) -> dict:
+    llm = LLM(model, kv_cache_memory_bytes=cache_bytes, compilation_cache_dir=None, **{**ENGINE, "warm_up": False})
+    vocab = llm.engine.model_config.vocab_size
+    plan = make_prefix_trace.agentic(make_prefix_trace.TokenSource(0, vocab), num_sessions=16, turns=(3, 6),
+                                     tool_spec_tokens=600, task_tokens=(20, 80), tool_result_tokens=(40, 200),
+                                     action_tokens=(8, 24), max_active=8)
+    history: dict[int, tuple[int, list[int]]] = {}  # session -> (the plan's history length, the real one)
+    realized = []
+    for r in plan:
+        planned, real = history.get(r.session_id, (0, []))
+        prompt = real + r.input_tokens[planned:]  # the plan's new tokens after the engine's answers
+        params = SamplingParams(max_tokens=len(r.output_tokens), temperature=0.0, ignore_eos=True)
+        answer = list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+        realized.append(make_prefix_trace.Request(r.session_id, r.turn_id, prompt, answer))
+        history[r.session_id] = (len(r.input_tokens) + len(r.output_tokens), prompt + answer)
+    stats = llm.stats()
+    make_prefix_trace.write_trace(realized, out)
+    # The replay keeps the running request's pages outside its budget: give it the engine's
+    # pool less the longest request's pages, in blocks of the engine's bytes.
+    longest = max(len(r.input_tokens) + len(r.output_tokens) for r in realized)
+    budget_blocks = stats["cache_blocks"] - math.ceil(longest / ENGINE["page_size"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        replay = replay_prefix_trace.main([str(out), "--model-config", str(model), "--budget-bytes",
+                                           str(budget_blocks * stats["cache_block_bytes"])])
+    if replay["budget"]["block_bytes"] != stats["cache_block_bytes"]:
+        raise RuntimeError("the replay's block size differs from the engine's: compare like with like")
+    return {
+        "requests": len(realized), "engine_hit_rate": stats["hit_rate"], "replay_hit_rate": replay["token_hit_rate"],
+        "engine_tokens_lost": stats["tokens_lost_for_want_of_checkpoint"], "replay_tokens_lost": replay["lost_tokens"],
+        "cache_blocks": stats["cache_blocks"], "replay_budget_blocks": budget_blocks,
+    }
+
+
 def _short_prefix(model: Path) -> list[int]:
     llm = LLM(model, compilation_cache_dir=None, **ENGINE)
     vocab = llm.engine.model_config.vocab_size
@@ -105,7 +152,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=64)
     parser.add_argument("--cache-mib", type=float, nargs="+", default=[8, 24],
                         help="cache pool sizes for the conversations workload")
-    parser.add_argument("--workloads", default="system-prompt,short-prefix,conversations")
+    parser.add_argument("--workloads", default="system-prompt,short-prefix,conversations,agentic")
     args = parser.parse_args()
     workloads = set(args.workloads.split(","))
 
@@ -143,6 +190,12 @@ def main() -> None:
                     print(f"conversations {mib:g} MiB {retention:<10} {name:<20} hit rate {row['hit_rate']:.3f}  "
                           f"pages {row['kv_page_bytes_held'] / 2**20:.1f} MiB, checkpoints "
                           f"{row['checkpoint_bytes_held'] / 2**20:.1f} MiB ({row['checkpoints_held']})", flush=True)
+        for mib in args.cache_mib if "agentic" in workloads else ():
+            row = _agentic(DEFAULT_MODEL, int(mib * 2**20), Path(tmp) / f"agentic-{mib:g}.jsonl")
+            results[f"agentic/{mib:g}MiB"] = row
+            print(f"agentic {mib:g} MiB, {row['requests']} requests: hit rate engine {row['engine_hit_rate']:.3f} "
+                  f"replay {row['replay_hit_rate']:.3f}; lost for want of a checkpoint engine "
+                  f"{row['engine_tokens_lost']} replay {row['replay_tokens_lost']} tokens", flush=True)
     Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
 

@@ -1,25 +1,34 @@
-"""Prefix-cache token hit rate per memory budget: jaxengine's bookkeeping beside Marconi's.
+"""Prefix-cache token hit rate per memory budget: jaxengine's bookkeeping beside a clairvoyant
+ceiling and Marconi's simulator, on real and synthetic traces.
 
-    python scripts/bench_prefix_replay.py [--marconi-dir PATH] [--budgets-gb 1 2 4 8 16] \
-        [--model-config configs/models/nemotron-h-7b-shape] [--out-dir bench_replay] [--json OUT.json]
+    python scripts/bench_prefix_replay.py [--mooncake-dir PATH] [--marconi-dir PATH] \
+        [--traces NAME ...] [--model-config configs/models/nemotron-h-7b-shape] \
+        [--out-dir bench_replay] [--json OUT.json]
 
-Builds three traces with `make_prefix_trace.py` (seed 0):
-  conversations  40 conversations x 6 turns, a 512-token first message, then 64-token answers
-                 and 64-token messages; 37 open at a time in round-robin, so about 33 other
-                 requests come between two turns of one conversation;
-  system-prompt  a 1,024-token system prompt and 32 questions of 10-40 tokens;
-  few-shot       a 256-token instruction, 4 families x 4 tasks of 256 + 256 example tokens,
-                 200 requests picking a task at random.
-and replays each through `replay_prefix_trace.py` at every budget with retention `dense`
-(the default), `sparse` and `every=256`, KV in bfloat16, SSM states in `--state-dtype`
-(bfloat16 by default, as Marconi counts them; the engine's checkpoints keep float32
-precision, twice the bytes). With `--marconi-dir`
-(a checkout of github.com/ruipeterpan/marconi; it needs scipy and transformers) the same
-traces and budgets also run through Marconi's simulator: V1 (SGLang+, LRU), V2 (Marconi:
-alpha tuned online on a bootstrap window) and the best static alpha over 0, 0.1, ..., 2 (V3,
-an offline oracle), with its default model, the 7B hybrid this config describes. Marconi's
-simulator counts hits at token granularity and counts the last output token of a turn as
-cached; the engine (and the replay) caches full pages of computed tokens only.
+Traces (a request's token hit rate counts its prompt only; see `replay_prefix_trace.py`):
+  mooncake-conv-K/M    Mooncake's FAST'25 conversation trace (an hour of production traffic),
+                       the share replica K of M serves under prefix-affinity routing;
+  mooncake-synth-K/M   its synthetic trace (public multi-turn data, Poisson arrivals), likewise;
+                       both need `--mooncake-dir`, a directory holding `conversation_trace.jsonl`
+                       and `synthetic_trace.jsonl` (kvcache-ai/Mooncake `FAST25-release/traces`);
+  agentic              interleaved agent sessions over one 2,000-token tool specification
+                       (`make_prefix_trace.py agentic --sessions 64 --max-active 32`);
+  agentic-long-spec    the same with a 4,000-token specification and 64 sessions open at once;
+  conversations        40 conversations x 6 turns, 512-token first messages, +64 answer +64
+                       message per turn, ~33 other requests between two turns of one;
+  few-shot             a 1,536-token instruction, 4 families x 4 tasks of 256 + 256 tokens.
+Each runs at its budgets through `replay_prefix_trace.py` with retention `dense` (the default)
+and `sparse`, KV and states in bfloat16 (as Marconi counts them), through
+`clairvoyant_prefix_cache.py`, and with `--marconi-dir` (a checkout of ruipeterpan/marconi; it
+needs scipy and transformers) through Marconi's simulator: V1 (SGLang's policy: LRU over radix
+leaves) and V2 (Marconi: FLOP-efficiency and recency, alpha tuned online), with the model this
+config describes (Marconi counts bytes with its own formulas, which match this 7B shape).
+Marconi counts hits at token granularity and a turn's last output token as cached; the engine
+caches full pages of computed tokens. Its radix_cache_vllm variant is left out (its recursion
+fails on 12k-token requests).
+
+Printed per trace and budget: token hit rate % of each, ours as a fraction of the ceiling, and
+whether ours is at or above the better of V1 and V2; a flag when ours loses hits to more memory.
 """
 
 import argparse
@@ -31,76 +40,117 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import clairvoyant_prefix_cache  # noqa: E402
 import make_prefix_trace  # noqa: E402
 import replay_prefix_trace  # noqa: E402
 
-TRACES = {
-    "conversations": ["conversations", "--conversations", "40", "--turns", "6", "--system-tokens", "0",
-                      "--first-message-tokens", "512", "512", "--message-tokens", "64", "64",
-                      "--output-tokens", "64", "64", "--max-active", "37"],
-    "system-prompt": ["system-prompt", "--system-tokens", "1024", "--questions", "32"],
-    "few-shot": ["few-shot"],
+GB = 1e9
+MOONCAKE_BUDGETS = [5, 10, 20, 40, 80]
+SYNTHETIC = {  # name -> (make_prefix_trace arguments, budgets in GB)
+    "agentic": (["agentic", "--sessions", "64", "--max-active", "32"], [1, 2, 4, 8]),
+    "agentic-long-spec": (["agentic", "--sessions", "128", "--max-active", "64", "--tool-spec-tokens", "4000",
+                           "--turns", "5", "15", "--seed", "3"], [1, 2, 4, 8]),
+    "conversations": (["conversations", "--conversations", "40", "--turns", "6", "--system-tokens", "0",
+                       "--first-message-tokens", "512", "512", "--message-tokens", "64", "64",
+                       "--output-tokens", "64", "64", "--max-active", "37"], [1, 2, 4, 8]),
+    "few-shot": (["few-shot", "--instruction-tokens", "1536"], [0.25, 0.5, 1, 2]),
 }
-RETENTIONS = ("dense", "sparse", "every=256")
-ALPHAS = [round(0.1 * i, 1) for i in range(21)]
+DEFAULT_TRACES = ["mooncake-conv-0/20", "mooncake-conv-1/20", "mooncake-conv-0/10", "mooncake-synth-0/10",
+                  "mooncake-synth-1/10", "mooncake-synth-0/5", *SYNTHETIC]
+MOONCAKE_FILES = {"conv": "conversation_trace.jsonl", "synth": "synthetic_trace.jsonl"}
 
 
-def ours(trace: Path, model_config: Path, budget: float, retention: str, state_dtype: str) -> float:
+def load(name: str, mooncake_dir: Path | None, out_dir: Path) -> tuple[Path, list[str], list[float]]:
+    """The trace file, the replay tool's format arguments, and the budgets (GB) of `name`."""
+    if name.startswith("mooncake-"):
+        kind, replica = name.removeprefix("mooncake-").split("-", 1)
+        if mooncake_dir is None:
+            raise SystemExit(f"{name} needs --mooncake-dir")
+        return mooncake_dir / MOONCAKE_FILES[kind], ["--format", "mooncake", "--replica", replica], MOONCAKE_BUDGETS
+    spec, budgets = SYNTHETIC[name]
+    path = out_dir / f"{name}.jsonl"
     with contextlib.redirect_stdout(io.StringIO()):
-        result = replay_prefix_trace.main([str(trace), "--model-config", str(model_config), "--budget-bytes",
-                                           str(budget), "--kv-dtype", "bfloat16", "--state-dtype", state_dtype,
-                                           "--retention", retention])
-    return result["token_hit_rate"]
+        make_prefix_trace.main([spec[0], str(path), *spec[1:]])
+    return path, [], budgets
 
 
-def marconi(radix_cache, trace: list[dict], budget: float, version: int, alpha: float) -> float:
-    """Token hit rate of Marconi's simulator (its own replay loop) on `trace`."""
-    tree = radix_cache(capacity_bytes=budget, evict_policy_version=version, eff_weight=alpha, use_logical_ts=True,
-                       num_ssm_layers=24, num_attn_layers=4, num_mlp_layers=28, d=4096, n=128)
+def marconi(radix_cache, requests: list, budget: float, version: int, cfg) -> float:
+    """Token hit rate of Marconi's simulator (its own replay loop) on `requests`."""
+    tree = radix_cache(capacity_bytes=budget, evict_policy_version=version, eff_weight=0.0, use_logical_ts=True,
+                       num_ssm_layers=cfg.num_recurrent_layers, num_attn_layers=cfg.num_attention_layers,
+                       num_mlp_layers=sum(layer.ffn is not None for layer in cfg.layers), d=cfg.hidden_size,
+                       n=cfg.mamba.state_size)
     with contextlib.redirect_stdout(io.StringIO()):
-        for request in trace:
-            tree.match_prefix(request["input_tokens"])
-            tree.insert(token_ids=request["input_tokens"] + request["output_tokens"],
-                        state_at_leaf=request["session_id"], state_at_branchoff=request["session_id"])
+        for i, r in enumerate(requests):
+            tree.match_prefix(r.input_tokens)
+            tree.insert(token_ids=r.input_tokens + r.output_tokens, state_at_leaf=i, state_at_branchoff=i)
         return tree.get_cache_stats(verbose=False)[1]
+
+
+def run_trace(name: str, path: Path, fmt: list[str], budgets: list[float], model_config: Path, radix_cache) -> dict:
+    rows = {}
+    common = [str(path), *fmt, "--model-config", str(model_config), "--kv-dtype", "bfloat16",
+              "--state-dtype", "bfloat16"]
+    requests = cfg = None
+    for gb in budgets:
+        args = [*common, "--budget-bytes", str(gb * GB)]
+        row = {}
+        with contextlib.redirect_stdout(io.StringIO()):
+            for retention in ("dense", "sparse"):
+                result = replay_prefix_trace.main([*args, "--retention", retention])
+                row[f"ours {retention}"] = result["token_hit_rate"]
+                if retention == "dense":
+                    row["lost to want of a checkpoint"] = result["lost_tokens"] / result["input_tokens"]
+            row["clairvoyant"] = clairvoyant_prefix_cache.main(args)["token_hit_rate"]
+        if radix_cache is not None:
+            if requests is None:
+                parser = argparse.ArgumentParser()
+                replay_prefix_trace.add_trace_arguments(parser)
+                requests, cfg, _ = replay_prefix_trace.trace_and_sizes(parser, parser.parse_args(args))
+            start = time.perf_counter()
+            row["Marconi V1"] = marconi(radix_cache, requests, gb * GB, 1, cfg)
+            row["Marconi V2"] = marconi(radix_cache, requests, gb * GB, 2, cfg)
+            row["marconi seconds"] = time.perf_counter() - start
+        rows[f"{gb:g}"] = row
+        print(_line(name, gb, row), flush=True)
+    hits = [rows[f"{gb:g}"]["ours dense"] for gb in budgets]
+    monotone = all(b >= a - 0.01 for a, b in zip(hits, hits[1:]))
+    if not monotone:
+        print(f"{name}: ours loses hits to more memory: {[round(100 * h, 1) for h in hits]}", flush=True)
+    return {"budgets_gb": budgets, "rows": rows, "monotone": monotone}
+
+
+def _line(name: str, gb: float, row: dict) -> str:
+    cells = "  ".join(f"{k} {100 * v:5.1f}" for k, v in row.items() if not k.endswith("seconds"))
+    ratio = row["ours dense"] / row["clairvoyant"] if row["clairvoyant"] else 1.0
+    verdict = ""
+    if "Marconi V1" in row:
+        best = max(row["Marconi V1"], row["Marconi V2"])
+        verdict = "  >= best Marconi" if row["ours dense"] >= best else f"  BELOW best Marconi ({100 * best:.1f})"
+    return f"{name:<22} {gb:>5g} GB  {cells}  ours/ceiling {ratio:.2f}{verdict}"
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mooncake-dir", type=Path, help="holds Mooncake's conversation and synthetic traces")
     parser.add_argument("--marconi-dir", type=Path, help="a checkout of ruipeterpan/marconi")
-    parser.add_argument("--budgets-gb", type=float, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--traces", nargs="+", help=f"default: {' '.join(DEFAULT_TRACES)} (mooncake ones "
+                        "only with --mooncake-dir)")
     parser.add_argument("--model-config", type=Path,
                         default=Path(__file__).parent.parent / "configs" / "models" / "nemotron-h-7b-shape")
-    parser.add_argument("--state-dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                        help="SSM states in checkpoints (bfloat16 as Marconi counts them; the engine keeps float32)")
     parser.add_argument("--out-dir", type=Path, default=Path("bench_replay"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    names = args.traces or [t for t in DEFAULT_TRACES if args.mooncake_dir or not t.startswith("mooncake-")]
     radix_cache = None
     if args.marconi_dir:
         sys.path.insert(0, str(args.marconi_dir))
         from radix_cache_hybrid import RadixCache as radix_cache  # noqa: N813
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for name, spec in TRACES.items():
-        path = args.out_dir / f"{name}.jsonl"
-        with contextlib.redirect_stdout(io.StringIO()):
-            make_prefix_trace.main([spec[0], str(path), *spec[1:]])
-        trace = [json.loads(line) for line in path.read_text().splitlines()]
-        for gb in args.budgets_gb:
-            row = {f"ours {r}": ours(path, args.model_config, gb * 1e9, r, args.state_dtype) for r in RETENTIONS}
-            if radix_cache is not None:
-                start = time.perf_counter()
-                row["Marconi V1 (LRU)"] = marconi(radix_cache, trace, gb * 1e9, 1, 0.0)
-                row["Marconi V2"] = marconi(radix_cache, trace, gb * 1e9, 2, 0.0)
-                oracle = {a: marconi(radix_cache, trace, gb * 1e9, 3, a) for a in ALPHAS}
-                best = max(oracle, key=oracle.get)
-                row["Marconi oracle"] = oracle[best]
-                row["oracle alpha"] = best
-                row["marconi seconds"] = time.perf_counter() - start
-            results[f"{name}/{gb:g}GB"] = row
-            cells = "  ".join(f"{k} {v:.3f}" for k, v in row.items() if not k.endswith(("alpha", "seconds")))
-            print(f"{name:<14} {gb:>4g} GB  {cells}", flush=True)
+    results = {"date": time.strftime("%Y-%m-%d"), "model_config": str(args.model_config), "traces": {}}
+    for name in names:
+        path, fmt, budgets = load(name, args.mooncake_dir, args.out_dir)
+        results["traces"][name] = run_trace(name, path, fmt, budgets, args.model_config, radix_cache)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     return results

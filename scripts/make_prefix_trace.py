@@ -9,6 +9,9 @@
     python scripts/make_prefix_trace.py few-shot OUT.jsonl [--instruction-tokens 256] [--families 4] \
         [--tasks-per-family 4] [--family-tokens 256] [--task-tokens 256] [--requests 200] \
         [--message-tokens 20 60] [--output-tokens 20 60] [--seed 0]
+    python scripts/make_prefix_trace.py agentic OUT.jsonl [--sessions 24] [--turns 2 20] \
+        [--tool-spec-tokens 2000] [--task-tokens 50 200] [--tool-result-tokens 100 600] \
+        [--action-tokens 20 80] [--max-active 8] [--seed 0]
 
 `conversations`: C multi-turn conversations sharing one system prompt (none with
 `--system-tokens 0`), interleaved; each turn's input is the previous turn's input and output
@@ -19,6 +22,11 @@ followed by a new user message (the first turn's from `--first-message-tokens`, 
 examples shared by the tasks of a family, a block of examples of each task, then a new
 question; each request picks a task at random. Prefixes diverge inside earlier prompts
 (at the family and task boundaries), not at their ends.
+`agentic`: interleaved agent sessions over one shared tool specification: a session opens
+with the specification and a task, and each turn's input is the previous turn's input, the
+model's action (its output) and the tool's result; up to `--max-active` sessions are open at
+once, the next request coming from one of them at random, and a session runs a random number
+of turns from `--turns`.
 Token ids are drawn uniformly from [1, vocab size); message and output lengths uniformly
 from the inclusive ranges given.
 """
@@ -129,6 +137,35 @@ def few_shot(src: TokenSource, *, instruction_tokens: int, num_families: int, ta
     return requests
 
 
+def agentic(src: TokenSource, *, num_sessions: int, turns: tuple[int, int], tool_spec_tokens: int,
+            task_tokens: tuple[int, int], tool_result_tokens: tuple[int, int], action_tokens: tuple[int, int],
+            max_active: int) -> list[Request]:
+    """Interleaved agent sessions: tool specification and task, then action and tool result
+    per turn; the next request comes from an open session picked at random."""
+    spec = src.tokens(tool_spec_tokens)
+    lengths = [src.rng.randint(*turns) for _ in range(num_sessions)]
+    waiting, active = list(range(num_sessions)), []
+    history: dict[int, list[int]] = {}
+    done = [0] * num_sessions
+    requests = []
+    while waiting or active:
+        while waiting and len(active) < max_active:
+            active.append(waiting.pop(0))
+        session = active[src.rng.randrange(len(active))]
+        if done[session] == 0:
+            prompt = spec + src.run(task_tokens)
+        else:
+            prompt = history[session] + src.run(tool_result_tokens)
+        action = src.run(action_tokens)
+        requests.append(Request(session, done[session], prompt, action))
+        history[session] = prompt + action
+        done[session] += 1
+        if done[session] == lengths[session]:
+            active.remove(session)
+            del history[session]
+    return requests
+
+
 def mean_turn_gap(requests: list[Request]) -> float | None:
     """Mean number of other requests between two consecutive turns of one session."""
     last, gaps = {}, []
@@ -173,7 +210,15 @@ def _parser() -> argparse.ArgumentParser:
     shot.add_argument("--requests", type=int, default=200)
     shot.add_argument("--message-tokens", type=int, nargs=2, default=[20, 60], metavar=("MIN", "MAX"))
     shot.add_argument("--output-tokens", type=int, nargs=2, default=[20, 60], metavar=("MIN", "MAX"))
-    for sub in (conv, sysp, shot):
+    agent = kinds.add_parser("agentic", help="interleaved agent sessions over one shared tool specification")
+    agent.add_argument("--sessions", type=int, default=24)
+    agent.add_argument("--turns", type=int, nargs=2, default=[2, 20], metavar=("MIN", "MAX"))
+    agent.add_argument("--tool-spec-tokens", type=int, default=2000)
+    agent.add_argument("--task-tokens", type=int, nargs=2, default=[50, 200], metavar=("MIN", "MAX"))
+    agent.add_argument("--tool-result-tokens", type=int, nargs=2, default=[100, 600], metavar=("MIN", "MAX"))
+    agent.add_argument("--action-tokens", type=int, nargs=2, default=[20, 80], metavar=("MIN", "MAX"))
+    agent.add_argument("--max-active", type=int, default=8)
+    for sub in (conv, sysp, shot, agent):
         sub.add_argument("out", type=Path, help="the JSON Lines file to write")
         sub.add_argument("--seed", type=int, default=0)
         sub.add_argument("--vocab-size", type=int, default=4096)
@@ -183,14 +228,22 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
-    messages, outputs = tuple(args.message_tokens), tuple(args.output_tokens)
-    first = tuple(getattr(args, "first_message_tokens", None) or messages)
-    for name, (low, high) in (("--message-tokens", messages), ("--output-tokens", outputs),
-                              ("--first-message-tokens", first)):
+    ranges = {f"--{name.replace('_', '-')}": tuple(value) for name, value in vars(args).items()
+              if isinstance(value, list)}
+    for name, (low, high) in ranges.items():
         if not 0 <= low <= high:
             parser.error(f"{name} needs 0 <= MIN <= MAX, got {low} {high}")
     src = TokenSource(args.seed, args.vocab_size)
-    if args.kind == "conversations":
+    if args.kind == "agentic":
+        if args.turns[0] < 1 or args.sessions < 1 or args.max_active < 1:
+            parser.error("--turns MIN, --sessions and --max-active must be >= 1")
+        requests = agentic(src, num_sessions=args.sessions, turns=tuple(args.turns),
+                           tool_spec_tokens=args.tool_spec_tokens, task_tokens=tuple(args.task_tokens),
+                           tool_result_tokens=tuple(args.tool_result_tokens),
+                           action_tokens=tuple(args.action_tokens), max_active=args.max_active)
+    elif args.kind == "conversations":
+        messages, outputs = tuple(args.message_tokens), tuple(args.output_tokens)
+        first = tuple(args.first_message_tokens or messages)
         requests = conversations(src, num_conversations=args.conversations, num_turns=args.turns,
                                  system_tokens=args.system_tokens, first_message_tokens=first,
                                  message_tokens=messages, output_tokens=outputs, order=args.order,
@@ -198,11 +251,11 @@ def main(argv: list[str] | None = None) -> None:
     elif args.kind == "few-shot":
         requests = few_shot(src, instruction_tokens=args.instruction_tokens, num_families=args.families,
                             tasks_per_family=args.tasks_per_family, family_tokens=args.family_tokens,
-                            task_tokens=args.task_tokens, num_requests=args.requests, message_tokens=messages,
-                            output_tokens=outputs)
+                            task_tokens=args.task_tokens, num_requests=args.requests,
+                            message_tokens=tuple(args.message_tokens), output_tokens=tuple(args.output_tokens))
     else:
         requests = system_prompt(src, system_tokens=args.system_tokens, num_questions=args.questions,
-                                 message_tokens=messages, output_tokens=outputs)
+                                 message_tokens=tuple(args.message_tokens), output_tokens=tuple(args.output_tokens))
     write_trace(requests, args.out)
     total = sum(len(r.input_tokens) for r in requests)
     gap = mean_turn_gap(requests)

@@ -4,9 +4,17 @@ reports the token hit rate, the bytes pages and checkpoints hold at the end, and
     python scripts/replay_prefix_trace.py TRACE.jsonl --model-config path/to/config.json \
         --budget-bytes 4e9 [--state-dtype float32] [--kv-dtype float32] [--page-size 16] \
         [--retention dense|sparse|every=N] [--json OUT.json]
+    python scripts/replay_prefix_trace.py conversation_trace.jsonl --format mooncake \
+        [--block-tokens 512] [--replica K/M] --model-config ... --budget-bytes ...
 
-The trace is JSON Lines in the format of `TRACES.md`; `input_tokens` and `output_tokens`
-are required. Requests run one at a time in line order through the real `Scheduler` and
+The trace is JSON Lines in the format of `TRACES.md` (`--format tokens`, the default;
+`input_tokens` and `output_tokens` are required), or Mooncake's (`--format mooncake`, the
+FAST'25 traces of kvcache-ai/Mooncake): `input_length`, `output_length` and `hash_ids`, one id
+per block of `--block-tokens` prompt tokens, equal ids meaning equal blocks. Block h becomes
+`--block-tokens` token ids of its own, the last block cut to the input length; each output
+gets fresh ids, so a hit can end only at a block boundary. `--replica K/M` keeps the requests
+one of M replicas serves under prefix-affinity routing: those whose second block id (the
+first, for a one-block prompt; the first block is a prompt every request shares) is K mod M. Requests run one at a time in line order through the real `Scheduler` and
 `PrefixCache`: the prompt is prefilled in one chunk (its `num_cached_tokens` is the hit), the
 trace's output tokens are appended as if sampled, one decode step each, and the sequence is
 finished, so the cache keeps exactly what the engine's finished sequence leaves (its last
@@ -25,6 +33,7 @@ delta rule) in `--state-dtype`. `--retention` is the engine's `prefix_cache_rete
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -95,6 +104,62 @@ def load_trace(path: Path) -> list[TraceRequest]:
     return requests
 
 
+def load_mooncake(path: Path, block_tokens: int, replica: tuple[int, int] | None = None) -> list[TraceRequest]:
+    """A Mooncake trace's requests in line order, expanded to token ids (see the module's
+    docstring); a ValueError naming the line if one is malformed."""
+    records = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                records.append((f"{path}:{number}", _mooncake_record(line, f"{path}:{number}", block_tokens)))
+    if replica is not None:
+        k, m = replica
+        records = [(where, r) for where, r in records if r["hash_ids"][min(1, len(r["hash_ids"]) - 1)] % m == k]
+    if not records:
+        raise ValueError(f"{path}: no requests" + (f" in replica {replica[0]}/{replica[1]}" if replica else ""))
+    # Block h's tokens are h * block_tokens + j; outputs take fresh blocks past every id used.
+    fresh = (max(h for _, r in records for h in r["hash_ids"]) + 1) * block_tokens
+    requests = []
+    for index, (_, r) in enumerate(records):
+        prompt = [h * block_tokens + j for h in r["hash_ids"] for j in range(block_tokens)][: r["input_length"]]
+        output = list(range(fresh, fresh + r["output_length"]))
+        fresh += r["output_length"]
+        requests.append(TraceRequest(-1, index, prompt, output))
+    return requests
+
+
+def _mooncake_record(line: str, where: str, block_tokens: int) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not a JSON line ({e})") from e
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a request must be a JSON object")
+    for field in ("input_length", "output_length"):
+        if not isinstance(record.get(field), int) or record[field] < (field == "input_length"):
+            raise ValueError(f"{where}: '{field}' must be a {'positive' if field == 'input_length' else 'non-negative'} "
+                             f"integer, got {record.get(field)!r}")
+    ids = record.get("hash_ids")
+    if not isinstance(ids, list) or not all(isinstance(h, int) and h >= 0 for h in ids):
+        raise ValueError(f"{where}: 'hash_ids' must be a list of non-negative integers")
+    if len(ids) != math.ceil(record["input_length"] / block_tokens):
+        raise ValueError(f"{where}: {len(ids)} hash_ids for input_length={record['input_length']}, but blocks of "
+                         f"{block_tokens} tokens need {math.ceil(record['input_length'] / block_tokens)} "
+                         f"(is --block-tokens right?)")
+    return record
+
+
+def parse_replica(text: str) -> tuple[int, int]:
+    """`K/M` as (K, M), 0 <= K < M."""
+    try:
+        k, m = (int(x) for x in text.split("/"))
+    except ValueError:
+        k, m = -1, 0
+    if not 0 <= k < m:
+        raise ValueError(f"--replica must be K/M with 0 <= K < M, got {text!r}")
+    return k, m
+
+
 def _parse_request(record: dict, where: str) -> TraceRequest:
     for field in ("input_tokens", "output_tokens"):
         tokens = record.get(field)
@@ -148,6 +213,7 @@ def checkpoint_bytes(cfg: ModelConfig, state_bytes: int, conv_bytes: int) -> int
     return sum(a.size * (state_bytes if a.float32 else conv_bytes) for arrays in recurrent_states(cfg) for a in arrays)
 
 
+@functools.cache
 def num_weights(cfg: ModelConfig) -> int:
     """The model's parameter count, from its structure (no values are made)."""
     return sum(leaf.size for leaf in jax.tree.leaves(nnx.state(abstract_model(cfg, jnp.float32))))
@@ -286,39 +352,61 @@ def format_report(result: dict) -> str:
 # ---------------------------------------------------------------------- command line
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trace", type=Path, help="JSON Lines trace (TRACES.md format)")
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trace, model and budget arguments (shared with `clairvoyant_prefix_cache.py`)."""
+    parser.add_argument("trace", type=Path, help="JSON Lines trace")
+    parser.add_argument("--format", choices=["tokens", "mooncake"], default="tokens",
+                        help="tokens: TRACES.md's format; mooncake: Mooncake's block hashes")
+    parser.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id (mooncake)")
+    parser.add_argument("--replica", help="K/M: the requests replica K of M serves (mooncake)")
     parser.add_argument("--model-config", type=Path, required=True, help="a Hugging Face config.json or its directory")
     parser.add_argument("--budget-bytes", type=float, required=True, help="for KV pages and checkpoints together")
     parser.add_argument("--kv-dtype", choices=list(DTYPE_BYTES), default="float32", help="KV pages and conv states")
     parser.add_argument("--state-dtype", choices=list(DTYPE_BYTES), default="float32", help="SSM states")
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--retention", default="dense", help="dense, sparse or every=N")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    return parser
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.budget_bytes < 0 or args.page_size < 1:
-        parser.error("--budget-bytes must be >= 0 and --page-size >= 1")
+def trace_and_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace
+                    ) -> tuple[list[TraceRequest], ModelConfig, Sizes]:
+    """The trace's requests, the model's config and the block sizes, from the arguments of
+    `add_trace_arguments`; a usage error naming the argument when one is wrong."""
+    if args.budget_bytes < 0 or args.page_size < 1 or args.block_tokens < 1:
+        parser.error("--budget-bytes must be >= 0, --page-size and --block-tokens >= 1")
+    if args.format == "tokens" and args.replica:
+        parser.error("--replica applies to --format mooncake only")
     cfg = read_model_config(args.model_config)
     try:
-        retention = parse_retention(args.retention, args.page_size)
-        requests = load_trace(args.trace)
+        if args.format == "mooncake":
+            replica = parse_replica(args.replica) if args.replica else None
+            requests = load_mooncake(args.trace, args.block_tokens, replica)
+        else:
+            requests = load_trace(args.trace)
     except ValueError as e:
         parser.error(str(e))
     longest = max(len(r.input_tokens) + len(r.output_tokens) for r in requests)
     s = sizes(cfg, int(args.budget_bytes), args.page_size, DTYPE_BYTES[args.kv_dtype], DTYPE_BYTES[args.state_dtype],
               longest)
+    return requests, cfg, s
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_trace_arguments(parser)
+    parser.add_argument("--retention", default="dense", help="dense, sparse or every=N")
+    args = parser.parse_args(argv)
+    try:
+        retention = parse_retention(args.retention, args.page_size)
+    except ValueError as e:
+        parser.error(str(e))
+    requests, cfg, s = trace_and_sizes(parser, args)
     sched = build_scheduler(cfg, s, args.page_size, retention)
     start = time.perf_counter()
     hits = replay(requests, sched, s)
     result = summary(requests, hits, sched, s)
     result["settings"] = {
-        "trace": str(args.trace), "model_config": str(args.model_config), "architecture": cfg.architecture,
+        "trace": str(args.trace), "format": args.format, "block_tokens": args.block_tokens, "replica": args.replica,
+        "model_config": str(args.model_config), "architecture": cfg.architecture,
         "attention_layers": cfg.num_attention_layers, "recurrent_layers": cfg.num_recurrent_layers,
         "page_size": args.page_size, "kv_dtype": args.kv_dtype, "state_dtype": args.state_dtype,
         "retention": args.retention, "retention_interval": retention, "seconds": time.perf_counter() - start,

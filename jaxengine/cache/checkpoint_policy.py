@@ -19,6 +19,7 @@ boundary in that span: the scan produces it (see `pallas_kernels/ssd/reference.p
 """
 
 import enum
+from collections.abc import Collection
 
 from jaxengine.cache import reuse_model
 
@@ -68,19 +69,26 @@ def describe_interval(interval: int | None) -> str:
 
 
 def plan(
-    start: int, end: int, *, page_size: int, interval: int | None, prefill_boundary: int, junction: int
+    start: int, end: int, *, page_size: int, interval: int | None, prefill_boundary: int,
+    junctions: Collection[int] = (), grain: int = 1,
 ) -> list[tuple[int, Kind]]:
-    """The checkpoints a step over tokens `(start, end]` of one sequence may write, in order."""
+    """The checkpoints a step over tokens `(start, end]` of one sequence may write, in order.
+
+    `grain` pages: where prefixes have been seen to part (`divergence_grain`). The prompt edge
+    is the last multiple of it within `prefill_boundary`, trailing edges and dense candidates
+    lie on its multiples; junctions and an interval's candidates lie where they lie."""
     out = []
+    step = grain * page_size
+    prompt_edge = prefill_boundary // step * step
     first = (start // page_size + 1) * page_size
     for pos in range(first, end + 1, page_size):
-        if pos == junction:
+        if pos in junctions:
             out.append((pos, Kind.JUNCTION))
-        elif pos == prefill_boundary:
+        elif pos == prompt_edge:
             out.append((pos, Kind.PROMPT))
-        elif pos > prefill_boundary:
+        elif pos > prefill_boundary and pos % step == 0:
             out.append((pos, Kind.TRAILING))
-        elif interval is DENSE or (interval and pos % interval == 0):
+        elif pos < prefill_boundary and (interval is DENSE and pos % step == 0 or interval and pos % interval == 0):
             out.append((pos, Kind.CANDIDATE))
     return out
 

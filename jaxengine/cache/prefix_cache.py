@@ -15,11 +15,13 @@ Blocks held by running sequences are theirs; every other block is cache content,
 when blocks are needed, in this order:
   1. *dead pages* (models with recurrent layers): a page with no checkpoint at or below it in
      the tree can never produce a hit. Leaves go first, least recently released first.
-  2. *speculative* checkpoints (used 0 times: dense candidates, and checkpoints superseded by
-     a deeper one of the same conversation), oldest first.
+  2. *speculative* checkpoints (used 0 times: dense candidates), oldest first.
   3. used hit points (checkpoints, or leaf pages of an attention-only model), lowest rank
      first, ranked by `reuse_model.ReuseModel`: expected saved compute per byte per request
-     of waiting, learned online from when hit points of each kind got reused.
+     of waiting, learned online from when hit points of each kind got reused. A used
+     checkpoint with others below it goes only after them, unless its sequence has moved
+     past it (superseded): a shared prefix's checkpoint is where every request on it falls
+     back to, and it costs little, since the pages it needs are held for those below anyway.
 When a checkpoint goes, the pages that only it made reachable become dead, so a cold chain
 goes whole before the tails of other chains.
 
@@ -27,6 +29,11 @@ A new checkpoint only evicts content ranked at or below its own prospective rank
 speculative one only ever displaces speculative ones (or dead pages, or free blocks), so
 dense candidates fill room that used content does not need and never flood it. A request
 that diverges at one of them hits there, which makes it used.
+
+Where checkpoints are written is the scheduler's (`checkpoint_policy.plan`), from what the
+cache knows of where prefixes part: the shape of recently seen prefixes, kept after their
+pages are evicted (`prefix_shape.py`), and the page multiple they part at
+(`divergence_grain.py`).
 """
 
 import collections
@@ -36,7 +43,9 @@ import itertools
 from collections.abc import Callable
 
 from jaxengine.cache.block_pool import BlockPool
-from jaxengine.cache.reuse_model import JUNCTION, PAGE, TRAILING, ReuseModel, hit_class
+from jaxengine.cache.divergence_grain import DivergenceGrain
+from jaxengine.cache.prefix_shape import PrefixShape
+from jaxengine.cache.reuse_model import JUNCTION, PAGE, PASSED, PROMPT, ReuseModel, hit_class
 
 NO_FLOOR = (float("inf"), 0)  # running sequences' pages may evict any cache content
 SPECULATIVE = (-1.0, 0)  # the rank of every speculative hit point: below all used content
@@ -85,6 +94,11 @@ class Match:
     hit_pages: int
     reach_pages: int  # consecutive cached pages of the request's prefix, hit or not
     checkpoint: Checkpoint | None  # where the hit resumes (models with recurrent layers)
+    # Pages of the request's prefix that an earlier request computed, cached or not, when it
+    # goes on past them (0 otherwise): where it parts from known prefixes (`prefix_shape`).
+    parted_at: int = 0
+    # Depth (pages) -> uses so far, where known prefixes on the request's path part, it included.
+    junctions: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -126,6 +140,8 @@ class PrefixCache:
         self.pending: set[int] = set()  # blocks of checkpoints a step is writing
         self.now = 0  # requests admitted: the clock hit-point ages are counted in
         self.model = ReuseModel(max_ghosts=max(256, pool.num_blocks))
+        self.divergences = DivergenceGrain()
+        self.shape = PrefixShape(max_pages=max(1 << 16, 16 * pool.num_blocks))
         self.counters = CacheCounters()
         # Dead leaves (no checkpoint at or below, no children, not held by a running sequence),
         # least recently released first. Only kept for models with recurrent layers.
@@ -175,6 +191,8 @@ class PrefixCache:
 
     def _evictable(self, hit_point: Node | Checkpoint) -> bool:
         if isinstance(hit_point, Checkpoint):
+            if hit_point.hits and hit_point.node.checkpoints_below > 1 and hit_point.origin != PASSED:
+                return False  # a used checkpoint goes after those below it (see the module's docstring)
             return self.checkpoints.get(hit_point.node.block_hash) is hit_point and hit_point.pins == 0
         return (self.nodes.get(hit_point.block_hash) is hit_point and hit_point.children == 0
                 and hit_point.block not in self.pool.ref_count)
@@ -201,13 +219,18 @@ class PrefixCache:
                 break
             nodes.append(node)
         reach = len(nodes)
-        match = Match(nodes, reach, reach, None)
+        walk = self.shape.walk(hashes)
+        known = max(reach, walk.seen)
+        parted = known if known < len(hashes) else 0
+        junctions = {parted: 2} if parted else {}  # (the shape may have forgotten cached pages)
+        junctions.update(walk.branches)
+        match = Match(nodes, reach, reach, None, parted, junctions)
         if self.recurrent:
-            match = Match([], 0, reach, None)
+            match = Match([], 0, reach, None, parted, junctions)
             for j in range(reach, 0, -1):
                 ckpt = nodes[j - 1].checkpoint
                 if ckpt is not None:
-                    match = Match(nodes[:j] if self.has_kv else [], j, reach, ckpt)
+                    match = Match(nodes[:j] if self.has_kv else [], j, reach, ckpt, parted, junctions)
                     break
         # A deeper hit point that was evicted: the model learns it was reused after all.
         for h in reversed(hashes[match.hit_pages :]):
@@ -232,6 +255,8 @@ class PrefixCache:
         there (a conversation's next turn). Then it carries on the hit's count, else it starts
         from 1 (a branch off a shared prefix is a new prefix)."""
         self.now += 1
+        if match.parted_at:
+            self.divergences.observe(match.parted_at)
         point = match.checkpoint if match.checkpoint is not None else (match.nodes[-1] if match.nodes else None)
         if point is None:
             return 1, False
@@ -241,8 +266,10 @@ class PrefixCache:
         for p in [match.checkpoint] if match.checkpoint is not None else match.nodes:
             p.hits += 1
             p.last_use = self.now
-        node = point.node if isinstance(point, Checkpoint) else point
-        continues = node.children == 0 and (isinstance(point, Node) or point.origin == TRAILING)
+        if isinstance(point, Checkpoint):
+            continues = point.origin != JUNCTION
+        else:
+            continues = point.children == 0
         return (point.hits if continues else 1), continues
 
     def unpin(self, ckpt: Checkpoint) -> None:
@@ -258,6 +285,22 @@ class PrefixCache:
         if ckpt is None or ckpt.node.children > 1 or ckpt.hits == 0:
             return
         ckpt.hits = 0
+        self._requeue(ckpt)
+
+    def decoded_past(self, block_hash: bytes) -> None:
+        """The sequence that wrote this prompt-end checkpoint has decoded past it. Whether its
+        next turn resumes after the answer (requests that carry the answer on) or here
+        (traffic whose prefixes match only in whole blocks, where an answer's pages are never
+        reached again) is the workload's to say: from now on it is ranked by how often such
+        checkpoints get reused (`reuse_model.PASSED`), and it may go before those below it."""
+        ckpt = self.checkpoints.get(block_hash)
+        if ckpt is None or ckpt.hits == 0 or ckpt.origin != PROMPT:
+            return
+        ckpt.origin = PASSED
+        self._requeue(ckpt)
+
+    def _requeue(self, ckpt: Checkpoint) -> None:
+        """Its rank changed: a fresh age, and a new place in the eviction order."""
         ckpt.last_use = self.now
         if ckpt.pins == 0:
             self._push(ckpt)
@@ -295,6 +338,7 @@ class PrefixCache:
         it is replaced by this one; if a live one does, this one stays private."""
         if not self.enabled:
             return
+        self.shape.add(block_hash, parent_hash)
         parent = self.nodes.get(parent_hash) if parent_hash is not None else None
         if parent_hash is not None and parent is None:
             return  # its prefix is no longer cached: this page could never be reached
@@ -319,13 +363,18 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def reserve_checkpoint(self, depth: int, origin: int, hits: int) -> list[int] | None:
-        """Blocks for a checkpoint at `depth` that a step will write, or None when making
-        room would evict content ranked higher than it. Commit or cancel them."""
+    def reserve_checkpoint(self, depth: int, origin: int, hits: int, block_hash: bytes | None = None
+                           ) -> list[int] | None:
+        """Blocks for a checkpoint at `depth` (the prefix `block_hash` names) that a step will
+        write, or None when making room would evict content ranked higher than it. Commit or
+        cancel them. A used-class checkpoint left out is remembered as a ghost, evicted at
+        birth, so that a request that would have hit it teaches the ranking it was wanted."""
         if not self.enabled or not self.recurrent:
             return None
         if not self._make_room(self.checkpoint_blocks, self.prospective_rank(depth, origin, hits)):
             self.counters.checkpoints_skipped += 1
+            if block_hash is not None:
+                self.model.died(block_hash, hit_class(origin, hits), 0, self.now)
             return None
         blocks = self.pool.take(self.checkpoint_blocks)
         self.pending.update(blocks)
@@ -384,6 +433,8 @@ class PrefixCache:
         n = node
         while n is not None:
             n.checkpoints_below -= 1
+            if n.checkpoint is not None and n.checkpoints_below == 1 and n.checkpoint.pins == 0:
+                self._push(n.checkpoint)
             n = n.parent
         self._maybe_dead(node)
 
@@ -426,9 +477,15 @@ class PrefixCache:
                 continue
             self._refresh_ranks()
             victim = self._lowest()
-            if victim is None or self._heap[0][0] > floor:
+            if victim is not None and self._heap[0][0] <= floor:
+                heapq.heappop(self._heap)
+            elif floor == NO_FLOOR and self.recurrent:
+                # Only checkpoints above pinned ones are left: a running sequence's need comes first.
+                victim = min((c for c in self.checkpoints.values() if c.pins == 0), key=self.rank, default=None)
+                if victim is None:
+                    return False
+            else:
                 return False
-            heapq.heappop(self._heap)
             self.model.died(victim.node.block_hash if isinstance(victim, Checkpoint) else victim.block_hash,
                             hit_class(victim.origin, victim.hits), self.now - victim.last_use, self.now)
             if isinstance(victim, Checkpoint):

@@ -4,7 +4,8 @@ A hit point (a checkpoint, or a leaf page of an attention-only model) is worth k
 will be hit again soon and a hit saves much. The model estimates the first part from what the
 workload did so far, per *class* of hit point, as a function of its *age* (requests admitted
 since it was made or last used). A class is where the hit point came from (a page, a prompt
-end, a junction, a decode boundary) and how often it has been used (1, 2, 3 or more).
+end, a junction, a decode boundary, or a prompt end its sequence has decoded past) and how
+often it has been used (1, 2, 3 or more).
 Speculative checkpoints (used 0 times, class 0) are not modelled: the cache keeps them in a
 tier below all used content.
 
@@ -31,9 +32,10 @@ import collections
 import dataclasses
 import math
 
-PAGE, PROMPT, JUNCTION, TRAILING = range(4)  # where a hit point came from
+# Where a hit point came from; PASSED: a prompt end its sequence has since decoded past.
+PAGE, PROMPT, JUNCTION, TRAILING, PASSED = range(5)
 HIT_LEVELS = 3  # used once, twice, three times or more
-NUM_CLASSES = 1 + 4 * HIT_LEVELS
+NUM_CLASSES = 1 + 5 * HIT_LEVELS
 BINS_PER_OCTAVE = 4
 NUM_BINS = 1 + BINS_PER_OCTAVE * 32
 
@@ -71,14 +73,18 @@ class _Histogram:
         return cls([0.0] * NUM_BINS, [0.0] * NUM_BINS, [0.0] * NUM_BINS)
 
     @classmethod
-    def lru_prior(cls) -> "_Histogram":
-        """One pseudo-reuse spread evenly over ages 1, 2, 4, ... 2**20 (no scale preferred):
-        the expected wait grows with age, so until data says otherwise the youngest go last."""
+    def prior(cls, uses: int) -> "_Histogram":
+        """For a class used `uses` times: one pseudo-reuse and 1 / `uses` pseudo-deaths, each
+        spread evenly over ages 1, 2, 4, ... 2**20 (no scale preferred). The expected wait
+        grows with age, so until data says otherwise the youngest go last (LRU), and the more
+        used a hit point the likelier its reuse (`uses` / (`uses` + 1)), so a prefix two
+        requests shared outranks one request's own."""
         h = cls.empty()
         ages = [2**k for k in range(21)]
         for age in ages:
             h.reuses[age_bin(age)] += 1 / len(ages)
             h.reuse_ages[age_bin(age)] += age / len(ages)
+            h.deaths[age_bin(age)] += 1 / uses / len(ages)
         return h
 
     def scale(self, factor: float) -> None:
@@ -91,7 +97,7 @@ class ReuseModel:
     """Reuse and death counts per class and age bin, with ghost memory of evictions."""
 
     def __init__(self, max_ghosts: int):
-        self.hist = [_Histogram.empty()] + [_Histogram.lru_prior() for _ in range(1, NUM_CLASSES)]
+        self.hist = [_Histogram.empty()] + [_Histogram.prior(1 + (c - 1) % HIT_LEVELS) for c in range(1, NUM_CLASSES)]
         self._less_used = [_less_used(c) for c in range(NUM_CLASSES)]
         self.max_ghosts = max_ghosts
         # block hash -> (class, age at eviction, request clock at eviction)

@@ -159,7 +159,7 @@ class Scheduler:
         self.running.remove(seq)
         self.release(seq)
         seq.num_computed = seq.num_registered_pages = 0
-        seq.junction = 0
+        seq.junctions = {}
         seq.hit_checkpoint = seq.prompt_checkpoint = seq.trailing_checkpoint = None
         seq.step_drafts = []  # made from the state just let go
         seq.status = Status.WAITING
@@ -208,7 +208,7 @@ class Scheduler:
             return 0
         seq.heat, continues = self.cache.record_hit(match)
         seq.num_registered_pages = match.hit_pages
-        seq.junction = match.reach_pages * self.page_size if self.cache.recurrent and match.reach_pages > match.hit_pages else 0
+        seq.junctions = {d * self.page_size: uses for d, uses in match.junctions.items() if d > match.hit_pages}
         # The last page boundary of what it must prefill (its prompt, or all its tokens when
         # recomputed after preemption): the state there is an edge checkpoint.
         seq.prefill_boundary = (len(seq.tokens) // self.page_size) * self.page_size
@@ -288,24 +288,27 @@ class Scheduler:
             hashes = self._hashes(seq, step.drafts_of(i))  # checkpoints inside drafts are kept only if accepted
             for pos, kind in checkpoint_policy.plan(
                 seq.num_computed, seq.num_computed + n, page_size=self.page_size, interval=self.retention_interval,
-                prefill_boundary=seq.prefill_boundary, junction=seq.junction,
+                prefill_boundary=seq.prefill_boundary, junctions=seq.junctions, grain=self.cache.divergences.grain,
             ):
-                if hashes[pos // self.page_size - 1] not in self.cache.checkpoints:
-                    wanted.append((kind is Kind.CANDIDATE, -pos, i, kind))
+                block_hash = hashes[pos // self.page_size - 1]
+                if block_hash not in self.cache.checkpoints:
+                    wanted.append((kind is Kind.CANDIDATE, -pos, i, kind, block_hash))
         saves = []
-        for _, neg_pos, i, kind in sorted(wanted, key=lambda w: w[:3]):
-            blocks = self.cache.reserve_checkpoint(-neg_pos, kind.origin, self._hits(step.seqs[i], kind))
+        for _, neg_pos, i, kind, block_hash in sorted(wanted, key=lambda w: w[:3]):
+            blocks = self.cache.reserve_checkpoint(-neg_pos, kind.origin, self._hits(step.seqs[i], kind, -neg_pos),
+                                                   block_hash)
             if blocks is not None:
                 saves.append(CheckpointSave(i, -neg_pos, blocks, kind))
         return saves
 
     @staticmethod
-    def _hits(seq: Sequence, kind: Kind) -> int:
-        """The hit count a new checkpoint starts with (see `checkpoint_policy`)."""
+    def _hits(seq: Sequence, kind: Kind, position: int) -> int:
+        """The hit count a new checkpoint at `position` starts with (see `checkpoint_policy`):
+        a junction's is the number of requests that passed there, this one included."""
         if kind is Kind.CANDIDATE:
             return 0
         if kind is Kind.JUNCTION:
-            return 1
+            return seq.junctions[position]
         return seq.heat
 
     # ------------------------------------------------------------------ after a step
@@ -336,7 +339,8 @@ class Scheduler:
                 self.cache.cancel(save.blocks)
                 continue
             block_hash = self._hashes(seq)[save.position // self.page_size - 1]
-            if self.cache.commit(save.blocks, block_hash, save.kind.origin, self._hits(seq, save.kind)) is not None:
+            if self.cache.commit(save.blocks, block_hash, save.kind.origin, self._hits(seq, save.kind, save.position)
+                                 ) is not None:
                 self._mark_draft_state(save.blocks, seq.speculates)
                 self._note_edge(seq, save, block_hash)
         for seq in step.seqs:
@@ -372,9 +376,10 @@ class Scheduler:
         if save.kind is Kind.PROMPT:
             seq.prompt_checkpoint = block_hash
             return
-        for older in (seq.prompt_checkpoint, seq.trailing_checkpoint):
-            if older is not None:
-                self.cache.supersede(older)
+        if seq.prompt_checkpoint is not None:
+            self.cache.decoded_past(seq.prompt_checkpoint)
+        if seq.trailing_checkpoint is not None:
+            self.cache.supersede(seq.trailing_checkpoint)
         seq.prompt_checkpoint, seq.trailing_checkpoint = None, block_hash
 
     def abort(self, seq: Sequence) -> None:

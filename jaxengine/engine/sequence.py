@@ -48,7 +48,9 @@ class Sequence:
     num_registered_pages: int = 0  # its leading pages already registered in the prefix cache
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     heat: int = 1  # hit count its checkpoints and pages start with (inherited from its hit)
-    junction: int = 0  # where the cached pages it matched end beyond its hit (an edge checkpoint)
+    # Where known prefixes part along it beyond its hit (edge checkpoints), and the requests
+    # that passed each (the checkpoint's starting hit count): see `prefix_shape`.
+    junctions: dict[int, int] = dataclasses.field(default_factory=dict)
     prefill_boundary: int = 0  # the last page boundary of what its prefill covers (an edge checkpoint)
     # Its edge checkpoints (block hashes), superseded as it writes deeper ones on the same path,
     # and the one it continues from (a conversation's previous turn).

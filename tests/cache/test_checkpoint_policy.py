@@ -6,7 +6,7 @@ from jaxengine.cache.checkpoint_policy import DENSE, SPARSE, Kind, plan, validat
 
 
 def _plan(start, end, interval, prefill_boundary=40, junction=0):
-    return plan(start, end, page_size=4, interval=interval, prefill_boundary=prefill_boundary, junction=junction)
+    return plan(start, end, page_size=4, interval=interval, prefill_boundary=prefill_boundary, junctions={junction})
 
 
 def test_dense_offers_every_page_boundary_the_step_crosses():
@@ -32,3 +32,14 @@ def test_bad_intervals_are_refused(bad):
 def test_good_intervals_pass():
     for good in (None, 0, 4, 64):
         validate_interval(good, 4)
+
+
+def test_a_grain_puts_edges_and_candidates_on_its_multiples():
+    # Grain 3 pages (12 tokens): the prompt edge is the last multiple within the prefill (36 of
+    # 40), trailing edges and dense candidates lie on multiples; a junction lies where it lies.
+    got = plan(0, 64, page_size=4, interval=DENSE, prefill_boundary=40, junctions={20}, grain=3)
+    assert got == [(12, Kind.CANDIDATE), (20, Kind.JUNCTION), (24, Kind.CANDIDATE), (36, Kind.PROMPT),
+                   (48, Kind.TRAILING), (60, Kind.TRAILING)]
+    # An interval's candidates are the user's choice: the grain leaves them alone.
+    assert [p for p, k in plan(0, 40, page_size=4, interval=8, prefill_boundary=40, grain=3)
+            if k is Kind.CANDIDATE] == [8, 16, 24, 32]

@@ -5,7 +5,7 @@ import pytest
 from jaxengine.cache.block_hash import extend_hashes, root_hash
 from jaxengine.cache.block_pool import BlockPool
 from jaxengine.cache.prefix_cache import PrefixCache
-from jaxengine.cache.reuse_model import JUNCTION, TRAILING
+from jaxengine.cache.reuse_model import JUNCTION, PASSED, PROMPT, TRAILING, hit_class
 
 PAGE = 2
 CKPT = 2  # blocks per checkpoint
@@ -117,3 +117,49 @@ def test_double_release_is_refused():
         cache.release(blocks[:1])
     with pytest.raises(ValueError, match="at least 2"):
         BlockPool(1)
+
+
+def test_a_used_checkpoint_goes_only_after_those_below_it():
+    """A shared prefix's checkpoint is where everything below it falls back to: the deeper ones
+    go first even when it ranks lower (here: shallower, so worth less per byte)."""
+    cache = _cache(1 + 6 + 6 + 3 * CKPT)
+    shared = _store(cache, [1] * 12, [4, 12])  # checkpoints at 4 (the shared one) and 12 below it
+    other = _store(cache, [2] * 12, [12], hits=3)
+    assert cache.pool.num_free == 0
+    assert cache.rank(cache.checkpoints[shared[1]]) < cache.rank(cache.checkpoints[shared[-1]])
+    cache.allocate(CKPT)
+    assert shared[1] in cache.checkpoints and shared[-1] not in cache.checkpoints
+    cache.allocate(CKPT + 4)  # the 4 pages only the deep one used, then the shared one: a leaf now
+    assert list(cache.checkpoints) == [other[-1]]
+    cache.check_invariants()
+
+
+def test_a_prompt_end_decoded_past_is_ranked_as_such_and_may_go_before_those_below():
+    cache = _cache(1 + 6 + 2 * CKPT)
+    hashes = extend_hashes([], [1] * 12, PAGE, root_hash(None))
+    blocks = cache.allocate(6)
+    for i, (block, h) in enumerate(zip(blocks, hashes)):
+        cache.register(block, h, hashes[i - 1] if i else None, (i + 1) * PAGE, 1)
+    for depth, origin in ((8, PROMPT), (12, TRAILING)):
+        cache.commit(cache.reserve_checkpoint(depth, origin, 1), hashes[depth // PAGE - 1], origin, 1)
+    cache.release(blocks)
+    prompt = cache.checkpoints[hashes[3]]
+    assert not cache._evictable(prompt)  # a used checkpoint above another
+    cache.decoded_past(hashes[3])
+    assert prompt.origin == PASSED and prompt.hits == 1 and cache._evictable(prompt)
+    cache.decoded_past(hashes[5])  # a decode boundary is not a prompt end: unchanged
+    assert cache.checkpoints[hashes[5]].origin == TRAILING
+
+
+def test_a_checkpoint_left_out_for_want_of_room_teaches_the_ranking_when_wanted():
+    cache = _cache(1 + 6 + CKPT)
+    _store(cache, [1] * 12, [12], hits=3)
+    wanted = extend_hashes([], [2] * 12, PAGE, root_hash(None))
+    cls = hit_class(JUNCTION, 1)
+    before = cache.model.density(cls, 5)
+    assert cache.reserve_checkpoint(4, JUNCTION, 1, wanted[1]) is None  # the used one ranks higher
+    assert wanted[1] in cache.model.ghosts
+    for _ in range(5):
+        cache.now += 1
+    cache.match(wanted)  # a request that would have hit it
+    assert wanted[1] not in cache.model.ghosts and cache.model.density(cls, 5) > before

@@ -1,6 +1,6 @@
 """The learned eviction ranking: it must follow the workload's reuse distances."""
 
-from jaxengine.cache.reuse_model import TRAILING, ReuseModel, hit_class
+from jaxengine.cache.reuse_model import JUNCTION, TRAILING, ReuseModel, hit_class
 
 CLS = hit_class(TRAILING, 1)
 
@@ -43,3 +43,9 @@ def test_more_used_classes_rank_at_least_as_high():
     for _ in range(20):
         model.reused(hit_class(TRAILING, 1), 3)
     assert model.density(hit_class(TRAILING, 3), 3) >= model.density(hit_class(TRAILING, 1), 3)
+
+
+def test_with_no_data_the_more_used_rank_higher():
+    model = ReuseModel(max_ghosts=100)
+    once, twice, thrice = (model.density(hit_class(JUNCTION, h), 4) for h in (1, 2, 3))
+    assert once < twice < thrice

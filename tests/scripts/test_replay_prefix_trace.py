@@ -196,3 +196,62 @@ def test_gated_delta_checkpoints_are_sized_from_their_declared_state(shared_pref
     assert report["ssm"]["checkpoint_bytes"] == 3 * (conv * 2 + 4 * 16 * 8 * 4)
     assert report["kv"]["page_bytes"] == 2 * 16 * 2 * 16 * 2
     assert [r["hit_tokens"] for r in report["per_request"]] == [0, 32, 32, 64]  # dense, as for Bamba
+
+
+def _mooncake(path: Path, rows: list[tuple[int, int, list[int]]]) -> Path:
+    with path.open("w") as f:
+        for i, (inputs, outputs, ids) in enumerate(rows):
+            f.write(json.dumps({"timestamp": i, "input_length": inputs, "output_length": outputs, "hash_ids": ids}) + "\n")
+    return path
+
+
+def test_mooncake_blocks_become_token_ids(tmp_path):
+    trace = _mooncake(tmp_path / "m.jsonl", [(70, 3, [7, 8, 9]), (40, 2, [7, 5]), (96, 1, [7, 8, 6])])
+    requests = replay.load_mooncake(trace, 32)
+    a, b, c = requests
+    assert a.input_tokens == [h * 32 + j for h in (7, 8) for j in range(32)] + [9 * 32 + j for j in range(6)]
+    assert b.input_tokens[:32] == a.input_tokens[:32] and b.input_tokens[32] != a.input_tokens[32]
+    assert c.input_tokens[:64] == a.input_tokens[:64] and len(c.input_tokens) == 96
+    outputs = a.output_tokens + b.output_tokens + c.output_tokens
+    assert len(outputs) == 6 and len(set(outputs)) == 6  # fresh: never equal to any prompt token
+    assert not set(outputs) & {t for r in requests for t in r.input_tokens}
+
+
+def test_mooncake_replica_keeps_the_requests_of_one_prefix_class(tmp_path):
+    # The second block id routes a request (the first one, for a prompt of one block).
+    trace = _mooncake(tmp_path / "m.jsonl", [(70, 1, [0, 4, 9]), (70, 1, [0, 5, 9]), (20, 1, [6]), (40, 1, [0, 2])])
+    kept = replay.load_mooncake(trace, 32, replica=(0, 2))
+    assert [len(r.input_tokens) for r in kept] == [70, 20, 40]
+    assert replay.parse_replica("1/20") == (1, 20)
+    for bad in ("20/20", "x", "1/0", "-1/3"):
+        with pytest.raises(ValueError, match="--replica"):
+            replay.parse_replica(bad)
+
+
+def test_a_mooncake_line_whose_blocks_do_not_cover_its_input_is_refused(tmp_path):
+    trace = _mooncake(tmp_path / "m.jsonl", [(70, 1, [0, 4, 9]), (100, 1, [0, 4])])
+    with pytest.raises(ValueError, match=r"m.jsonl:2: 2 hash_ids for input_length=100.*--block-tokens"):
+        replay.load_mooncake(trace, 32)
+    bad = _mooncake(tmp_path / "bad.jsonl", [(70, -1, [0, 4, 9])])
+    with pytest.raises(ValueError, match="output_length"):
+        replay.load_mooncake(bad, 32)
+
+
+def test_mooncake_hits_end_on_block_boundaries(tmp_path):
+    # A conversation: each turn's prompt is the last one's full blocks, two more, and a partial
+    # block of its own (Mooncake hashes a changed last block anew), so a turn parts from the
+    # previous one where that one's full blocks end. The cache learns after 8 such partings
+    # that prefixes part only at multiples of a block (4 pages) and from then on writes its
+    # prompt-end checkpoint at the last one: a turn then hits all it shares with the previous
+    # turn, where before it hit only the junction the previous turn left, a turn behind.
+    rows, full = [], [1000]
+    for turn in range(14):
+        full = full + [turn * 10 + 1, turn * 10 + 2]
+        rows.append((64 * len(full) + 44, 5, full + [turn * 10 + 3]))
+    trace = _mooncake(tmp_path / "m.jsonl", rows)
+    result = _run(trace, HYBRID, "--format", "mooncake", "--block-tokens", "64", "--budget-bytes", "1e9",
+                  "--retention", "sparse")
+    hits = [r["hit_tokens"] for r in result["per_request"]]
+    shared = [0] + [64 * (len(r[2]) - 1) for r in rows[:-1]]  # the previous turn's full blocks
+    assert hits[:3] == [0, 0, shared[1]]  # a turn behind: the junction at the first parting
+    assert hits[-4:] == shared[-4:]
