@@ -4,7 +4,7 @@
         [--workloads system-prompt,short-prefix,conversations,agentic] [--cache-mib 8 24]
 
 Workloads (token-id prompts, greedy, the same for every configuration):
-  system-prompt   a 2048-token shared system prompt followed by distinct 32-token questions,
+  system-prompt   a 1984-token shared system prompt followed by distinct 32-token questions,
                   all submitted at once; reports mean/p50 TTFT, output tokens/s, hit rate;
   conversations   8 conversations x 6 turns, interleaved, each turn's prompt the previous
                   prompt + answer + a new message, one request at a time, both models with
@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import io
 import json
-import math
 import platform
 import sys
 import tempfile
@@ -45,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import make_prefix_trace  # noqa: E402
 import replay_prefix_trace  # noqa: E402
 
-ENGINE = dict(max_model_len=2560, max_num_seqs=16, max_num_batched_tokens=512, page_size=16)
+ENGINE = dict(max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=512, page_size=16)
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
@@ -69,7 +68,7 @@ def _llama_like(hybrid_dir: Path, out: Path) -> Path:
 def _system_prompt(model: Path, caching: bool, questions: int) -> dict:
     llm = LLM(model, enable_prefix_caching=caching, compilation_cache_dir=None, **ENGINE)
     vocab = llm.engine.model_config.vocab_size
-    system = _tokens(2048, 0, vocab)
+    system = _tokens(1984, 0, vocab)  # with a question and the answer, within the model's 2048 positions
     prompts = [system + _tokens(32, 1 + i, vocab) for i in range(questions)]
     start = time.perf_counter()
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -123,19 +122,15 @@ def _agentic(model: Path, cache_bytes: int, out: Path) -> dict:
         history[r.session_id] = (len(r.input_tokens) + len(r.output_tokens), prompt + answer)
     stats = llm.stats()
     make_prefix_trace.write_trace(realized, out)
-    # The replay keeps the running request's pages outside its budget: give it the engine's
-    # pool less the longest request's pages, in blocks of the engine's bytes.
-    longest = max(len(r.input_tokens) + len(r.output_tokens) for r in realized)
-    budget_blocks = stats["cache_blocks"] - math.ceil(longest / ENGINE["page_size"])
-    with contextlib.redirect_stdout(io.StringIO()):
-        replay = replay_prefix_trace.main([str(out), "--model-config", str(model), "--budget-bytes",
-                                           str(budget_blocks * stats["cache_block_bytes"])])
+    with contextlib.redirect_stdout(io.StringIO()):  # the engine's pool, its block count and size
+        replay = replay_prefix_trace.main([str(out), "--model-config", str(model), "--budget-bytes", "0",
+                                           "--pool-blocks", str(stats["cache_blocks"] + 1)])
     if replay["budget"]["block_bytes"] != stats["cache_block_bytes"]:
         raise RuntimeError("the replay's block size differs from the engine's: compare like with like")
     return {
         "requests": len(realized), "engine_hit_rate": stats["hit_rate"], "replay_hit_rate": replay["token_hit_rate"],
         "engine_tokens_lost": stats["tokens_lost_for_want_of_checkpoint"], "replay_tokens_lost": replay["lost_tokens"],
-        "cache_blocks": stats["cache_blocks"], "replay_budget_blocks": budget_blocks,
+        "cache_blocks": stats["cache_blocks"],
     }
 
 
@@ -173,7 +168,7 @@ def main() -> None:
                 "ttft_ratio": off["ttft_mean_s"] / on["ttft_mean_s"],
                 "throughput_ratio": on["output_tokens_per_s"] / off["output_tokens_per_s"],
             }
-            print(f"{name}: shared 2048-token system prompt, {args.questions} questions")
+            print(f"{name}: shared 1984-token system prompt, {args.questions} questions")
             print(f"  TTFT mean off {off['ttft_mean_s']:.3f}s  on {on['ttft_mean_s']:.3f}s  ratio {off['ttft_mean_s'] / on['ttft_mean_s']:.1f}x")
             print(f"  output tok/s off {off['output_tokens_per_s']:.1f}  on {on['output_tokens_per_s']:.1f}")
         for name, path in models.items():

@@ -18,7 +18,7 @@ Traces (a request's token hit rate counts its prompt only; see `replay_prefix_tr
                        message per turn, ~33 other requests between two turns of one;
   few-shot             a 1,536-token instruction, 4 families x 4 tasks of 256 + 256 tokens.
 Each runs at its budgets through `replay_prefix_trace.py` with retention `dense` (the default)
-and `sparse`, KV and states in bfloat16 (as Marconi counts them), through
+and `sparse`, KV and states in bfloat16 (as Marconi counts them), page 16, through
 `clairvoyant_prefix_cache.py`, and with `--marconi-dir` (a checkout of ruipeterpan/marconi; it
 needs scipy and transformers) through Marconi's simulator: V1 (SGLang's policy: LRU over radix
 leaves) and V2 (Marconi: FLOP-efficiency and recency, alpha tuned online), with the model this
@@ -88,25 +88,25 @@ def marconi(radix_cache, requests: list, budget: float, version: int, cfg) -> fl
 
 
 def run_trace(name: str, path: Path, fmt: list[str], budgets: list[float], model_config: Path, radix_cache) -> dict:
+    parser = argparse.ArgumentParser()
+    replay_prefix_trace.add_trace_arguments(parser)
+    common = [str(path), *fmt, "--model-config", str(model_config), "--kv-dtype", "bfloat16", "--state-dtype", "bfloat16"]
+    requests, cfg, _ = replay_prefix_trace.trace_and_sizes(parser, parser.parse_args([*common, "--budget-bytes", "0"]))
+    num_input = sum(len(r.input_tokens) for r in requests)
+    longest = max(len(r.input_tokens) + len(r.output_tokens) for r in requests)
     rows = {}
-    common = [str(path), *fmt, "--model-config", str(model_config), "--kv-dtype", "bfloat16",
-              "--state-dtype", "bfloat16"]
-    requests = cfg = None
     for gb in budgets:
-        args = [*common, "--budget-bytes", str(gb * GB)]
+        s = replay_prefix_trace.sizes(cfg, int(gb * GB), 16, 2, 2, longest)
         row = {}
-        with contextlib.redirect_stdout(io.StringIO()):
-            for retention in ("dense", "sparse"):
-                result = replay_prefix_trace.main([*args, "--retention", retention])
-                row[f"ours {retention}"] = result["token_hit_rate"]
-                if retention == "dense":
-                    row["lost to want of a checkpoint"] = result["lost_tokens"] / result["input_tokens"]
-            row["clairvoyant"] = clairvoyant_prefix_cache.main(args)["token_hit_rate"]
+        for retention, interval in (("dense", None), ("sparse", 0)):
+            sched = replay_prefix_trace.build_scheduler(cfg, s, 16, interval)
+            row[f"ours {retention}"] = sum(replay_prefix_trace.replay(requests, sched, s)) / num_input
+            if retention == "dense":
+                row["lost to want of a checkpoint"] = sched.stats.tokens_lost / num_input
+        hits = clairvoyant_prefix_cache.best_hits(requests, page_size=16, checkpoint_blocks=s.checkpoint_blocks,
+                                                  page_blocks=1 if s.kv_page_bytes else 0, budget_blocks=s.budget_blocks)
+        row["clairvoyant"] = sum(hits) / num_input
         if radix_cache is not None:
-            if requests is None:
-                parser = argparse.ArgumentParser()
-                replay_prefix_trace.add_trace_arguments(parser)
-                requests, cfg, _ = replay_prefix_trace.trace_and_sizes(parser, parser.parse_args(args))
             start = time.perf_counter()
             row["Marconi V1"] = marconi(radix_cache, requests, gb * GB, 1, cfg)
             row["Marconi V2"] = marconi(radix_cache, requests, gb * GB, 2, cfg)
@@ -117,7 +117,8 @@ def run_trace(name: str, path: Path, fmt: list[str], budgets: list[float], model
     monotone = all(b >= a - 0.01 for a, b in zip(hits, hits[1:]))
     if not monotone:
         print(f"{name}: ours loses hits to more memory: {[round(100 * h, 1) for h in hits]}", flush=True)
-    return {"budgets_gb": budgets, "rows": rows, "monotone": monotone}
+    return {"budgets_gb": budgets, "requests": len(requests), "input_tokens": num_input, "rows": rows,
+            "monotone": monotone}
 
 
 def _line(name: str, gb: float, row: dict) -> str:

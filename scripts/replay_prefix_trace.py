@@ -25,7 +25,9 @@ Budget: `--budget-bytes` holds all cached content, KV pages and recurrent-state 
 together, in blocks of one KV page (a checkpoint takes as many blocks as its bytes need; for
 a model without attention layers a block is one checkpoint). How it divides between the two
 follows the trace. The running request's own pages and its two live state slots come on top,
-as running sequences' do in the engine. `--model-config` is a Hugging Face `config.json` or
+as running sequences' do in the engine. `--pool-blocks N` instead replays the engine's own
+arrangement: one pool of N blocks (the null block included) that the running request's pages
+come out of too, and nothing evicted until a block is needed. `--model-config` is a Hugging Face `config.json` or
 its directory; KV pages and conv states are stored in `--kv-dtype`, recurrent states (SSM,
 delta rule) in `--state-dtype`. `--retention` is the engine's `prefix_cache_retention_interval`: `dense`
 (None, the default for models with recurrent layers), `sparse` (0) or `every=N` (N).
@@ -394,12 +396,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_trace_arguments(parser)
     parser.add_argument("--retention", default="dense", help="dense, sparse or every=N")
+    parser.add_argument("--pool-blocks", type=int, help="the engine's pool instead of a budget (see above)")
     args = parser.parse_args(argv)
     try:
         retention = parse_retention(args.retention, args.page_size)
     except ValueError as e:
         parser.error(str(e))
     requests, cfg, s = trace_and_sizes(parser, args)
+    if args.pool_blocks is not None:
+        if args.pool_blocks < 2:
+            parser.error(f"--pool-blocks must be >= 2, got {args.pool_blocks}")
+        s = dataclasses.replace(s, budget_blocks=args.pool_blocks - 1, live_blocks=0)
     sched = build_scheduler(cfg, s, args.page_size, retention)
     start = time.perf_counter()
     hits = replay(requests, sched, s)

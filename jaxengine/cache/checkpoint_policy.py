@@ -5,17 +5,26 @@ boundary in that span: the scan produces it (see `pallas_kernels/ssd/reference.p
 `ssd_states_at`). Two kinds of checkpoint come out of it:
 
 * *Edges*, written whenever there is room at their priority:
-    - the prompt end: the last page boundary of what the sequence prefills;
-    - a junction: where the request's prefix left the cached pages it matched beyond its
-      hit, i.e. where cached prefixes branch;
-    - trailing: each page boundary a decoding sequence reaches (the latest one is where the
-      next turn of a conversation resumes).
-  They carry the hit count the sequence inherited from the checkpoint it resumed from (1 for
-  a fresh prefix), so a conversation that keeps coming back keeps its latest state.
-* *Candidates* (hits 0) at the other page boundaries, per the retention interval (vLLM's
-  `prefix_cache_retention_interval`): `None` every page (dense), `0` none (sparse), `N` every
-  N tokens. They fill room nothing more valuable needs; a later request that diverges at
-  one of them hits there, which raises it to a used checkpoint.
+    - the prompt end: the last boundary of what the sequence prefills that lies on the grain
+      (below);
+    - junctions: where known prefixes part along the request's path beyond its hit: where it
+      leaves the paths earlier requests took, and where those paths branch, even if their
+      pages were evicted (`prefix_shape.py`). A junction starts with as many uses as requests
+      passed there;
+    - trailing: each boundary on the grain a decoding sequence reaches (the latest one is
+      where the next turn of a conversation resumes).
+  Prompt ends and trailing edges carry the hit count the sequence inherited from the
+  checkpoint it resumed from (1 for a fresh prefix), so a conversation that keeps coming back
+  keeps its latest state.
+* *Candidates* (hits 0) at the other boundaries on the grain, per the retention interval
+  (vLLM's `prefix_cache_retention_interval`): `None` every one (dense), `0` none (sparse), `N`
+  every N tokens (the user's choice, grain or not). They fill room nothing more valuable
+  needs; a later request that diverges at one of them hits there, which raises it to a used
+  checkpoint.
+
+The *grain* is the page multiple prefixes have been seen to part at (`divergence_grain.py`):
+one page for traffic that parts anywhere, a block for traffic whose prefixes are equal only in
+whole blocks, where a checkpoint off the block boundaries could never be hit.
 """
 
 import enum

@@ -32,7 +32,7 @@ class Walk:
     branches: list[tuple[int, int]]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Page:
     children: int = 0  # different pages seen to follow it
     visits: int = 1  # requests whose pages included it

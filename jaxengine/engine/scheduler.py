@@ -42,6 +42,7 @@ class CheckpointSave:
     position: int
     blocks: list[int]
     kind: Kind
+    hits: int  # the use count it starts with
 
 
 @dataclasses.dataclass
@@ -295,10 +296,10 @@ class Scheduler:
                     wanted.append((kind is Kind.CANDIDATE, -pos, i, kind, block_hash))
         saves = []
         for _, neg_pos, i, kind, block_hash in sorted(wanted, key=lambda w: w[:3]):
-            blocks = self.cache.reserve_checkpoint(-neg_pos, kind.origin, self._hits(step.seqs[i], kind, -neg_pos),
-                                                   block_hash)
+            hits = self._hits(step.seqs[i], kind, -neg_pos)
+            blocks = self.cache.reserve_checkpoint(-neg_pos, kind.origin, hits, block_hash)
             if blocks is not None:
-                saves.append(CheckpointSave(i, -neg_pos, blocks, kind))
+                saves.append(CheckpointSave(i, -neg_pos, blocks, kind, hits))
         return saves
 
     @staticmethod
@@ -339,8 +340,7 @@ class Scheduler:
                 self.cache.cancel(save.blocks)
                 continue
             block_hash = self._hashes(seq)[save.position // self.page_size - 1]
-            if self.cache.commit(save.blocks, block_hash, save.kind.origin, self._hits(seq, save.kind, save.position)
-                                 ) is not None:
+            if self.cache.commit(save.blocks, block_hash, save.kind.origin, save.hits) is not None:
                 self._mark_draft_state(save.blocks, seq.speculates)
                 self._note_edge(seq, save, block_hash)
         for seq in step.seqs:

@@ -255,3 +255,13 @@ def test_mooncake_hits_end_on_block_boundaries(tmp_path):
     shared = [0] + [64 * (len(r[2]) - 1) for r in rows[:-1]]  # the previous turn's full blocks
     assert hits[:3] == [0, 0, shared[1]]  # a turn behind: the junction at the first parting
     assert hits[-4:] == shared[-4:]
+
+
+def test_the_engines_pool_arrangement(shared_prefix_trace):
+    # One pool of 40 blocks, the running request's pages from it too, nothing trimmed.
+    result = _run(shared_prefix_trace, HYBRID, "--budget-bytes", "0", "--pool-blocks", "40")
+    assert result["budget"]["budget_blocks"] == 39 and result["budget"]["live_blocks"] == 0
+    held = result["kv"]["pages_held"] + result["ssm"]["checkpoints_held"] * result["ssm"]["checkpoint_blocks"]
+    assert 0 < held <= 39
+    with pytest.raises(SystemExit):
+        _run(shared_prefix_trace, HYBRID, "--budget-bytes", "0", "--pool-blocks", "1")
