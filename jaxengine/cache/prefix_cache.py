@@ -222,8 +222,9 @@ class PrefixCache:
         walk = self.shape.walk(hashes)
         known = max(reach, walk.seen)
         parted = known if known < len(hashes) else 0
-        junctions = {parted: 2} if parted else {}  # (the shape may have forgotten cached pages)
-        junctions.update(walk.branches)
+        junctions = dict(walk.branches)
+        if parted and reach > walk.seen and nodes[-1].children:  # the shape forgot a cached path
+            junctions[reach] = 2
         match = Match(nodes, reach, reach, None, parted, junctions)
         if self.recurrent:
             match = Match([], 0, reach, None, parted, junctions)

@@ -28,7 +28,8 @@ class Walk:
 
     seen: int  # leading pages an earlier request computed
     # (depth in pages, requests that passed it, this one included) where the paths seen go
-    # different ways, and where this request leaves them (`seen`, when it goes on past it)
+    # different ways, and where this request leaves a path that went on (not one that ended
+    # there: a request that extends it parts from nothing)
     branches: list[tuple[int, int]]
 
 
@@ -64,8 +65,9 @@ class PrefixShape:
         for depth, h in enumerate(hashes, 1):
             page = self.pages.get(h)
             if page is None:
-                if depth > 1 and (not branches or branches[-1][0] != depth - 1):
-                    branches.append((depth - 1, self.pages[hashes[depth - 2]].visits))
+                last = self.pages.get(hashes[depth - 2]) if depth > 1 else None
+                if last is not None and last.children == 1:  # the seen path went on otherwise: it parts here
+                    branches.append((depth - 1, last.visits))
                 return Walk(depth - 1, branches)
             self.pages.move_to_end(h)
             page.visits += 1

@@ -32,5 +32,6 @@ def test_pages_are_forgotten_least_recently_seen_first():
     _add(shape, [1, 1, 2, 2, 3, 3])
     _add(shape, [9, 9, 8, 8])  # 5 pages: the oldest, the first one's root, goes
     assert len(shape) == 4 and shape.walk(_pages([1, 1, 2, 2, 3, 3, 4, 4])).seen == 0
-    assert shape.walk(_pages([9, 9, 8, 8, 7, 7])).seen == 2
+    extended = shape.walk(_pages([9, 9, 8, 8, 7, 7]))  # goes on where the seen path ended
+    assert extended.seen == 2 and extended.branches == []  # a next turn parts from nothing
     assert shape.walk(_pages([9, 9, 8, 8])).branches == []  # ends on a seen path: parts nowhere
