@@ -39,6 +39,7 @@ import functools
 import json
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -87,20 +88,26 @@ class Sizes:
 # ---------------------------------------------------------------------- inputs
 
 
-def load_trace(path: Path) -> list[TraceRequest]:
-    """The trace's requests in line order; a ValueError naming the line if one is malformed."""
-    requests = []
+def json_lines(path: Path) -> Iterator[tuple[str, dict]]:
+    """Each non-empty line of `path` as (`path:line`, its JSON object); a ValueError naming the
+    line if one is not a JSON object."""
     with path.open() as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            where = f"{path}:{number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not a JSON line ({e})") from e
+                raise ValueError(f"{where}: not a JSON line ({e})") from e
             if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: a request must be a JSON object")
-            requests.append(_parse_request(record, f"{path}:{number}"))
+                raise ValueError(f"{where}: a request must be a JSON object")
+            yield where, record
+
+
+def load_trace(path: Path) -> list[TraceRequest]:
+    """The trace's requests in line order; a ValueError naming the line if one is malformed."""
+    requests = [_parse_request(record, where) for where, record in json_lines(path)]
     if not requests:
         raise ValueError(f"{path}: the trace holds no requests")
     return requests
@@ -109,20 +116,16 @@ def load_trace(path: Path) -> list[TraceRequest]:
 def load_mooncake(path: Path, block_tokens: int, replica: tuple[int, int] | None = None) -> list[TraceRequest]:
     """A Mooncake trace's requests in line order, expanded to token ids (see the module's
     docstring); a ValueError naming the line if one is malformed."""
-    records = []
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                records.append((f"{path}:{number}", _mooncake_record(line, f"{path}:{number}", block_tokens)))
+    records = [_check_mooncake(record, where, block_tokens) for where, record in json_lines(path)]
     if replica is not None:
         k, m = replica
-        records = [(where, r) for where, r in records if r["hash_ids"][min(1, len(r["hash_ids"]) - 1)] % m == k]
+        records = [r for r in records if r["hash_ids"][min(1, len(r["hash_ids"]) - 1)] % m == k]
     if not records:
         raise ValueError(f"{path}: no requests" + (f" in replica {replica[0]}/{replica[1]}" if replica else ""))
     # Block h's tokens are h * block_tokens + j; outputs take fresh blocks past every id used.
-    fresh = (max(h for _, r in records for h in r["hash_ids"]) + 1) * block_tokens
+    fresh = (max(h for r in records for h in r["hash_ids"]) + 1) * block_tokens
     requests = []
-    for index, (_, r) in enumerate(records):
+    for index, r in enumerate(records):
         prompt = [h * block_tokens + j for h in r["hash_ids"] for j in range(block_tokens)][: r["input_length"]]
         output = list(range(fresh, fresh + r["output_length"]))
         fresh += r["output_length"]
@@ -130,13 +133,7 @@ def load_mooncake(path: Path, block_tokens: int, replica: tuple[int, int] | None
     return requests
 
 
-def _mooncake_record(line: str, where: str, block_tokens: int) -> dict:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not a JSON line ({e})") from e
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: a request must be a JSON object")
+def _check_mooncake(record: dict, where: str, block_tokens: int) -> dict:
     for field in ("input_length", "output_length"):
         if not isinstance(record.get(field), int) or record[field] < (field == "input_length"):
             raise ValueError(f"{where}: '{field}' must be a {'positive' if field == 'input_length' else 'non-negative'} "
