@@ -19,9 +19,10 @@ when blocks are needed, in this order:
   3. used hit points (checkpoints, or leaf pages of an attention-only model), lowest rank
      first, ranked by `reuse_model.ReuseModel`: expected saved compute per byte per request
      of waiting, learned online from when hit points of each kind got reused. A used
-     checkpoint with others below it goes only after them, unless its sequence has moved
-     past it (superseded): a shared prefix's checkpoint is where every request on it falls
-     back to, and it costs little, since the pages it needs are held for those below anyway.
+     checkpoint with others below it goes only after them, unless it is a prompt end its
+     sequence has decoded past: a shared prefix's checkpoint is where every request on it
+     falls back to, and it costs little, since the pages it needs are held for those below
+     anyway.
 When a checkpoint goes, the pages that only it made reachable become dead, so a cold chain
 goes whole before the tails of other chains.
 

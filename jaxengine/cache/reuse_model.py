@@ -23,9 +23,10 @@ Reuses are counted at their age, evictions as deaths at theirs; an evicted hit p
 remembered as a *ghost* for a while, and a request that would have hit it turns its death
 into a reuse at the age it would have had, so the model learns reuse distances beyond what
 the cache can hold. Counts halve as new events arrive, so the model follows a changing
-workload. Each class starts from one pseudo-reuse spread over all ages (LRU until data says
-otherwise), and ranks at least as high as a less used class of the same origin at the same
-age. Ties go by use count, then least recently pushed.
+workload. Each class starts from one pseudo-reuse and 1/uses pseudo-deaths spread over all
+ages (LRU until data says otherwise, and a prefix used more often likelier to be used again),
+and ranks at least as high as a less used class of the same origin at the same age. Ties go
+by use count, then least recently pushed.
 """
 
 import collections
