@@ -1,4 +1,4 @@
-"""Host malloc settings for running on the CPU backend.
+"""Host malloc settings for running on the CPU backend, and giving freed memory back.
 
 XLA:CPU allocates each step's scratch buffers (170 MB for a 512-token step of a 35M-parameter
 model) when the step starts and frees them when it ends. glibc serves blocks that large with a
@@ -49,3 +49,12 @@ def tune_malloc_for_cpu() -> bool:
     mallopt = ctypes.CDLL(None).mallopt
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _KEEP_FREED_BYTES))
     return all(mallopt(param, value) == 1 for param, value in settings)
+
+
+def give_back_freed_memory() -> None:
+    """Returns the heap memory the process has freed to the system (glibc's `malloc_trim`),
+    after an engine is shut down: glibc keeps what XLA's threads freed in their arenas, which
+    otherwise grew a process that creates and frees engines by about 30% over its first
+    engine's resident memory before it levelled off. Nothing elsewhere."""
+    if sys.platform == "linux" and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)

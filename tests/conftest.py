@@ -1,4 +1,5 @@
-"""Shared test setup: keep transformers quiet, and each test's compile settings its own."""
+"""Shared test setup: transformers kept quiet, XLA:CPU's compile settings, eight CPU devices, a
+home of the run's own, and the property tests' example counts."""
 
 import os
 import tempfile
@@ -6,8 +7,10 @@ import warnings
 
 import jax
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
+from hypothesis import settings
 from transformers import logging as hf_logging
+
+from jaxengine.engine import step_store
 
 hf_logging.set_verbosity_error()
 # The suite's time is mostly XLA:CPU compiling tiny programs; LLVM's optimizations at level 0
@@ -19,15 +22,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 # steps under a home of this run's own: a test never loads steps another run stored.
 os.environ["HOME"] = tempfile.mkdtemp(prefix="jaxengine-tests-home-")
 warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
-
-
-@pytest.fixture(autouse=True)
-def _no_persistent_cache_between_tests():
-    """An engine turns JAX's persistent compilation cache on for the whole process; turn it
-    off after each test so later tests (e.g. interpreted kernels) compile as they would alone."""
-    yield
-    jax.config.update("jax_compilation_cache_dir", None)
-    compilation_cache.reset_cache()
+# Engines of equal settings share their compiled steps (`step_store`); the suite keeps more of
+# them for the engines of later tests than a user's process does (its tiny models' steps are
+# small: about 250 memory maps each).
+step_store.KEPT_STEPS = 64
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -37,6 +35,15 @@ def _drop_compiled_programs_after_each_module():
     especially) ran into the kernel's map-count limit and crashed inside XLA's compiler."""
     yield
     jax.clear_caches()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The default run (`-m 'not slow'`) tries a quarter of each property test's examples
+    (`property_examples.py`); any other selection, or the thorough profile named, all of them."""
+    from tests import property_examples  # noqa: F401  (registers the profiles)
+
+    if config.getoption("hypothesis_profile", None) is None:
+        settings.load_profile("default-run" if config.getoption("markexpr") == "not slow" else "thorough")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -153,6 +153,14 @@ class DataParallelEngine:
             raise errors[0]
         return done
 
+    @property
+    def closed(self) -> bool:
+        return self.replicas[0].closed
+
+    def shutdown(self, wait: bool = True) -> None:
+        for replica in self.replicas:
+            replica.shutdown(wait)
+
     def reset_prefix_cache(self) -> None:
         for replica in self.replicas:
             replica.reset_prefix_cache()

@@ -76,6 +76,21 @@ class LLM:
         if self.engine.config.warm_up:
             self.warm_up()
 
+    def shutdown(self) -> None:
+        """Aborts the requests in flight and gives back what the engine holds: its compiled
+        steps (a bounded few stay shared with later engines of equal settings, `step_store`),
+        its device pools and parameters, its background compile. The LLM serves no more
+        requests after. `with LLM(...) as llm:` does the same, and so does the garbage collector
+        once nothing refers to the engine (`del llm`; `gc.collect()` has it at once)."""
+        with self._lock:
+            self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def warm_up(self, progress: bool = True) -> None:
         """Makes every step shape ready (see `LLMEngine.warm_up`), so no step waits for a compile."""
         shapes = self.engine.shapes()

@@ -4,6 +4,7 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -25,15 +26,16 @@ from jaxengine.engine.interrupts import deferred_interrupts
 from jaxengine.engine.mesh import Parallelism
 from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxengine.engine.pools import store_layout
-from jaxengine.engine.runner import ModelRunner, enable_compilation_cache
+from jaxengine.engine.runner import ModelRunner
 from jaxengine.engine.sampler import PromptLogprobs
 from jaxengine.engine.sampling_params import SamplingParams, is_int
 from jaxengine.engine.scheduler import ScheduledStep, Scheduler
 from jaxengine.engine.sequence import Sequence, Status
 from jaxengine.engine.speculative import DRAFTS_IN_STEP, NgramIndex, SpecStats, SpeculationGate, accept
-from jaxengine.engine.step_executables import ShapeKey
+from jaxengine.engine.step_executables import ShapeKey, StoredStepFailed
 from jaxengine.engine.step_store import StepStore
 from jaxengine.engine.tokenizer import load_tokenizer
+from jaxengine.host_memory import give_back_freed_memory
 from jaxengine.models.config import ModelConfig, checkpoint_dtype, load_model_config
 from jaxengine.models.kernels import kernel_ops
 from jaxengine.models.loader import load_model
@@ -56,10 +58,11 @@ class LLMEngine:
         if config.dtype == "auto":
             config = dataclasses.replace(config, dtype=checkpoint_dtype(self.model_dir))
         self.config = config
-        # Interpreted kernels run host callbacks, which a persistent cache must not store.
+        # Interpreted kernels run host callbacks, which a stored executable must not hold. The
+        # engine stores its steps itself (`step_store`) and leaves JAX's process-wide persistent
+        # cache as the program set it: executables that cache loads behind the store's back, in a
+        # process that has compiled others, failed on XLA:CPU ("NOT_FOUND: Function ... not found").
         cache_dir = None if config.kernels.startswith("pallas-interpret") else config.compilation_cache_dir
-        if cache_dir:
-            enable_compilation_cache(cache_dir)
         kernel_ops(config.kernels)  # kernels this machine cannot run: an error now, not at the first step
         declared = load_model_config(self.model_dir)
         parallelism = parallelism or config.parallelism
@@ -134,6 +137,9 @@ class LLMEngine:
             kernels=config.kernels,
             parallelism=parallelism,
         )
+        # Once nothing refers to the engine, the garbage collector gives back what the runner
+        # holds, as `shutdown` does (the background compile holds the runner only weakly).
+        self._release = weakref.finalize(self, _release_runner, self.runner)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -166,6 +172,7 @@ class LLMEngine:
                 blocks_per_checkpoint, self.block_bytes, num_blocks,
             )
         self.requests: dict[str, Sequence] = {}  # unfinished ones, by request id
+        self.closed = False  # by shutdown(): its device arrays and executables are given back
         self._id_lock = threading.Lock()
         self.compile_seconds = 0.0
         self.peak_blocks_in_use = 0
@@ -251,6 +258,8 @@ class LLMEngine:
 
     def validate_request(self, prompt: str | list[int], params: SamplingParams, where: str) -> list[int]:
         """The prompt's token ids, or a ValueError naming the request and the field."""
+        if self.closed:
+            raise RuntimeError("this engine was shut down (shutdown()); create another to serve requests")
         cfg = self.model_config
         if not isinstance(params, SamplingParams):
             raise ValueError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -357,6 +366,18 @@ class LLMEngine:
         """Forgets every cached page and checkpoint (with no request in flight)."""
         self.scheduler.cache.clear()
 
+    def shutdown(self, wait: bool = True) -> None:
+        """Aborts the requests in flight and gives back what the engine holds: its step
+        executables, its background compile (stopped after the compile in flight; `wait`:
+        returns once it has), its pools and parameters. Later requests are refused."""
+        if self.closed:
+            return
+        self.closed = True
+        for seq in list(self.requests.values()):
+            self.abort(seq)
+        self._release.detach()
+        _release_runner(self.runner, wait)
+
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[Sequence]:
@@ -367,14 +388,18 @@ class LLMEngine:
         scheduler consistent before the exception goes on: running sequences go back to the
         queue to be recomputed, and if the pools were lost the cache forgets their content.
         Which requests to abort is the caller's business (`abort`)."""
+        if self.closed:
+            raise RuntimeError("this engine was shut down (shutdown()); create another to serve requests")
         with deferred_interrupts():
             try:
                 return self._step()
-            except BaseException:
+            except BaseException as err:
                 lost = self.runner.pools_lost()
                 if lost:
                     self.runner.reset_pools()
                 self.scheduler.recover(device_state_lost=lost)
+                if isinstance(err, StoredStepFailed):  # compiled again: the sequences go on
+                    return []
                 raise
 
     def abort(self, seq: Sequence) -> None:
@@ -698,3 +723,10 @@ def _covers(big: Shape, small: Shape) -> bool:
 def _share_speculating(seqs: list[Sequence]) -> float:
     """The share of `seqs` admitted to speculate."""
     return sum(1 for seq in seqs if seq.speculates) / max(1, len(seqs))
+
+
+def _release_runner(runner: ModelRunner, wait: bool = True) -> None:
+    """Gives back a runner's executables, device arrays and background compile, and the host
+    memory they freed."""
+    runner.close(wait)
+    give_back_freed_memory()

@@ -3,11 +3,9 @@
 import dataclasses
 import functools
 from collections.abc import Callable
-from pathlib import Path
 
 import jax
 from flax import nnx
-from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, PartitionSpec
 from jax.tree_util import PyTreeDef
 
@@ -94,14 +92,6 @@ def place_params(params: nnx.State, mesh: Mesh, rules: Rules) -> tuple[list[jax.
     (host arrays go straight to their shards), and their tree structure."""
     leaves, treedef = jax.tree.flatten(params)
     return [jax.device_put(x, s) for x, s in zip(leaves, param_shardings(params, mesh, rules))], treedef
-
-
-def enable_compilation_cache(directory: str | Path) -> None:
-    """Turns on JAX's persistent compilation cache so a second start skips compiling."""
-    jax.config.update("jax_compilation_cache_dir", str(Path(directory).expanduser()))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    compilation_cache.reset_cache()  # JAX decides once per process; make it look again
 
 
 class ModelRunner:
@@ -191,8 +181,9 @@ class ModelRunner:
     def sample(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> SampleOutput:
         """Runs one step and samples each sequence's next token on device."""
         self.lockstep.send("sample", batch, sampling, decode)
-        executable = self.executable(batch, sampling, decode=decode)
-        out, self.draft_pools, self.pools = self.run_executable(executable, batch, sampling)
+        out, self.draft_pools, self.pools = self.steps.run(
+            batch, sampling, decode, lambda executable: self.run_executable(executable, batch, sampling),
+            can_retry=lambda: not self.pools_lost())
         return out
 
     def run_executable(
@@ -228,6 +219,15 @@ class ModelRunner:
     def num_compiled_steps(self) -> int:
         """How many step executables this runner has compiled or loaded (for recompile checks)."""
         return len(self.steps.ready) + self.model_step._cache_size()
+
+    def close(self, wait: bool = True) -> None:
+        """Gives back what the runner holds: its step executables, its background compile
+        (stopped after the compile in flight; `wait`: returns once it has) and its device
+        arrays. The runner cannot run steps after."""
+        self.steps.close(wait)
+        for leaf in jax.tree.leaves((self.pools, self.draft_pools, self.param_leaves, self.draft_leaves)):
+            if not leaf.is_deleted():
+                leaf.delete()
 
     def warm_up(self, batches: list[tuple[StepBatch, SamplingBatch, bool]], progress: Callable | None = None,
                 later: set = frozenset()) -> None:

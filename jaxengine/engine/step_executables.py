@@ -6,7 +6,9 @@ start serving as soon as the largest mixed and decode shapes are ready and let t
 arrive while it runs (`LLMEngine.warm_up`); a shape some step wanted moves to the front of
 the queue. Loading and XLA's compiler release Python's lock, so a few threads prepare shapes at
 once; the background thread compiles one at a time, stores each, and stops after the one in
-flight when asked (at the latest when the process exits), so the next start loads it.
+flight when asked — when its engine is closed or dropped, at the latest when the process
+exits — so the next start loads it. A loaded step that fails when run is compiled again
+(`run`): a file one process left must never break another.
 """
 
 import atexit
@@ -16,6 +18,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import TypeVar
 
 import jax
 
@@ -31,6 +34,12 @@ ShapeKey = tuple[int, int, int, bool, int, bool]
 Item = tuple[StepBatch, SamplingBatch, bool]  # an all-padding batch of a shape; decode or not
 
 _LIVE: "weakref.WeakSet[StepExecutables]" = weakref.WeakSet()
+T = TypeVar("T")
+
+
+class StoredStepFailed(RuntimeError):
+    """A step executable from the store failed at its first run and took the step's inputs with
+    it; it has been compiled again, and the step must be run anew."""
 
 
 def shape_key(batch: StepBatch, sampling: SamplingBatch, decode: bool) -> ShapeKey:
@@ -45,6 +54,8 @@ class StepExecutables:
                  file_key: Callable[[StepBatch, SamplingBatch, bool], str], store: StepStore):
         self._lower, self._file_key, self.store = lower, file_key, store
         self.ready: dict[ShapeKey, jax.stages.Compiled] = {}
+        self.unproven: set[ShapeKey] = set()  # shapes from the store that have yet to run once
+        self.recompiled_after_failure = 0  # loaded steps that failed when run and were compiled again
         self.compiled_on_demand = 0  # steps that waited for a compile: none after a warm-up
         self.compile_seconds: dict[ShapeKey, float] = {}  # lowering and compiling each compiled shape
         self._stop = threading.Event()
@@ -65,6 +76,33 @@ class StepExecutables:
             self.ready[key] = executable
         return executable
 
+    def run(self, batch: StepBatch, sampling: SamplingBatch, decode: bool,
+            call: Callable[[jax.stages.Compiled], T], can_retry: Callable[[], bool]) -> T:
+        """`call(executable)` with this batch's step. A step that came from the store (a file,
+        or another engine of this process) is waited for at its first run, where a broken one
+        shows; if it fails, it is compiled here and replaces the stored one, and `call` runs
+        again when `can_retry()` (its inputs survived), else `StoredStepFailed` says the step
+        is lost and the next one runs the new executable."""
+        key = shape_key(batch, sampling, decode)
+        executable = self.get(batch, sampling, decode)
+        try:
+            result = call(executable)
+            if key in self.unproven:
+                jax.block_until_ready(result)
+                self.unproven.discard(key)
+            return result
+        except Exception as err:
+            if key not in self.unproven:
+                raise
+            logger.warning("a stored step executable failed at its first run (%s: %s); compiling it again",
+                           type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            self.unproven.discard(key)
+            self.ready[key] = executable = self._compile(batch, sampling, decode)
+            self.recompiled_after_failure += 1
+            if not can_retry():
+                raise StoredStepFailed(f"a stored step executable failed and was compiled again: {err}") from err
+        return call(executable)
+
     def prepare(self, items: list[Item], *, later: set[ShapeKey] = frozenset(),
                 progress: Callable[[], None] | None = None) -> None:
         """Makes every item's shape ready: stored ones are loaded and the others compiled, on
@@ -78,7 +116,10 @@ class StepExecutables:
         waiting = sorted(set(missing) - set(compile_now))
         if waiting:
             self._queue = [todo[i] for i in waiting]  # in the order given
-            self._thread = threading.Thread(target=self._compile_all, daemon=True, name="jaxengine-compile")
+            # The thread holds this object only while it compiles: an engine that is dropped
+            # is freed, and its thread stops after the compile in flight.
+            self._thread = threading.Thread(target=_compile_all, args=(weakref.ref(self),), daemon=True,
+                                            name="jaxengine-compile")
             self._thread.start()
 
     def _run_all(self, items: list[Item], make: Callable[..., jax.stages.Compiled | None],
@@ -119,31 +160,53 @@ class StepExecutables:
         if self._thread is not None:
             self._thread.join()
 
-    def stop(self) -> None:
-        """Stops the background thread after the compile in flight (the rest stay uncompiled)."""
+    def stop(self, wait: bool = True) -> None:
+        """Stops the background thread after the compile in flight (the rest stay uncompiled);
+        with `wait`, returns once it has stopped."""
         self._stop.set()
-        self.wait()
+        if wait and self._thread is not threading.current_thread():
+            self.wait()
 
-    def _compile_all(self) -> None:
-        while not self._stop.is_set():
-            with self._queue_lock:
-                if not self._queue:
-                    return
-                item = self._queue.pop(0)
-            try:
-                self.ready[shape_key(*item)] = self._compile(*item)
-            except Exception as err:  # the larger shapes it fell back to go on serving
-                logger.warning("background compile of a step shape failed (%s: %s)", type(err).__name__, err)
+    def close(self, wait: bool = True) -> None:
+        """Stops the background thread and lets go of every executable (those another engine
+        holds stay its own; `step_store` keeps a bounded few for later engines)."""
+        self.stop(wait)
+        self.ready.clear()
+        self.unproven.clear()
+
+    def _compile_next(self) -> bool:
+        """Compiles the next shape of the background queue; False once there is none."""
+        with self._queue_lock:
+            if self._stop.is_set() or not self._queue:
+                return False
+            item = self._queue.pop(0)
+        try:
+            self.ready[shape_key(*item)] = self._compile(*item, waited=False)
+        except Exception as err:  # the larger shapes it fell back to go on serving
+            logger.warning("background compile of a step shape failed (%s: %s)", type(err).__name__, err)
+        return True
 
     def _load(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Compiled | None:
-        return self.store.load(self._file_key(batch, sampling, decode))
+        executable = self.store.load(self._file_key(batch, sampling, decode))
+        if executable is not None:
+            self.unproven.add(shape_key(batch, sampling, decode))
+        return executable
 
-    def _compile(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Compiled:
+    def _compile(self, batch: StepBatch, sampling: SamplingBatch, decode: bool, *,
+                 waited: bool = True) -> jax.stages.Compiled:
+        """Compiles a shape and stores it; `waited`: an engine could not go on without it (the
+        store keeps those for later engines)."""
         start = time.perf_counter()
         executable = self._lower(batch, sampling, decode).compile()
         self.compile_seconds[shape_key(batch, sampling, decode)] = time.perf_counter() - start
-        self.store.save(self._file_key(batch, sampling, decode), executable)
+        self.store.save(self._file_key(batch, sampling, decode), executable, keep=waited)
         return executable
+
+
+def _compile_all(owner: "weakref.ref[StepExecutables]") -> None:
+    """The background thread: compiles its owner's queue while the owner lives and wants it."""
+    while (steps := owner()) is not None and steps._compile_next():
+        del steps  # between compiles, only the weak reference holds the owner
 
 
 @atexit.register

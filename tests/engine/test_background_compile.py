@@ -5,9 +5,9 @@ import threading
 import pytest
 
 from jaxengine import LLM, SamplingParams
+from jaxengine.engine import step_executables
 from jaxengine.engine.batch_builder import Shape
 from jaxengine.engine.llm_engine import _covers
-from jaxengine.engine.step_executables import StepExecutables
 
 # Token bucket 16, sequence buckets 1 and 2: seven step shapes.
 ARGS = dict(max_model_len=96, page_size=4, max_num_seqs=2, max_num_batched_tokens=16, compilation_cache_dir=None)
@@ -22,8 +22,8 @@ def test_only_the_largest_shapes_wait_and_tokens_are_those_of_exact_shapes(tiny_
     """With speculation, the largest shapes that wait are verify shapes: steps that verify
     drafts, decode or mixed, fit only them."""
     gate = threading.Event()  # holds the background thread back until the first call is done
-    compile_all = StepExecutables._compile_all
-    monkeypatch.setattr(StepExecutables, "_compile_all", lambda self: (gate.wait(), compile_all(self)))
+    compile_all = step_executables._compile_all
+    monkeypatch.setattr(step_executables, "_compile_all", lambda owner: (gate.wait(), compile_all(owner)))
     try:
         # Warm-up with background compiles (the default).
         llm = LLM(tiny_models["bamba"][0], speculative_config=speculative_config, **ARGS)

@@ -2,13 +2,17 @@
 transformers' greedy tokens, a conversation's next turn goes back to the replica holding its
 prefix (and hits), new prompts spread by load, and bad sizes are refused by name."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from jaxengine import LLM, SamplingParams
 from tests.models.tiny_models import hf_greedy, random_prompt, save_tiny_model
 
-ARGS = dict(max_model_len=128, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False,
-            compilation_cache_dir=None)
+# With the step store on (the default): each replica's steps are its own devices' programs.
+ARGS = dict(max_model_len=128, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False)
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
@@ -66,3 +70,27 @@ def test_a_prompts_samples_share_one_replica(bamba):
 def test_bad_data_parallel_sizes_are_refused(bamba, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(bamba[0], **ARGS, **kwargs)
+
+
+# Two replicas of two devices with the defaults (the step store on), in a fresh process.
+PROGRAM = """
+import sys, jax
+jax.config.update("jax_num_cpu_devices", 8)
+from jaxengine import LLM, SamplingParams
+llm = LLM(sys.argv[1], data_parallel_size=2, tensor_parallel_size=2, **eval(sys.argv[2]))
+outs = llm.generate(eval(sys.argv[3]), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+print([o.outputs[0].token_ids for o in outs])
+"""
+
+
+@pytest.mark.slow  # each replica's own steps: run fast in-process by the conversation test above
+def test_replicas_run_twice_in_fresh_processes_on_one_store(bamba, tmp_path):
+    """The first run fills the store (each replica its own devices' steps), the second loads it."""
+    path, hf_model = bamba
+    prompts = [random_prompt(30, 1), random_prompt(22, 2)]
+    env = {**os.environ, "HOME": str(tmp_path)}
+    want = [hf_greedy(hf_model, p, 8) for p in prompts]
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", PROGRAM, str(path), repr(ARGS), repr(prompts)], env=env,
+                             check=True, capture_output=True, text=True, timeout=600)
+        assert eval(run.stdout.strip().splitlines()[-1]) == want

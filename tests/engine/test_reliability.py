@@ -20,6 +20,7 @@ from jaxengine.engine.caller_lock import CallerLock
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.scheduler import Scheduler
 from tests.models.tiny_models import VOCAB_SIZE, random_prompt, save_tiny_model
+from tests.property_examples import examples
 
 ARGS = dict(max_model_len=128, page_size=4, max_num_seqs=8, max_num_batched_tokens=32, warm_up=False,
             compilation_cache_dir=None)
@@ -360,7 +361,7 @@ NUMBERS = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(fields=st.dictionaries(
     st.sampled_from(["max_tokens", "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "seed", "min_tokens", "logprobs"]), NUMBERS, max_size=4),

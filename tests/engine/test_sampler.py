@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from jaxengine.engine import sampler
 from jaxengine.engine.sampler import SamplingBatch
+from tests.property_examples import examples
 
 _sample = jax.jit(sampler.sample_tokens, static_argnames="num_logprobs")
 
@@ -196,7 +197,7 @@ def test_a_draw_is_jax_categorical_with_the_rows_key():
     np.testing.assert_array_equal(out.tokens, expected)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.lists(st.sampled_from([0.0, 1.0, 2.5, -1.0, np.inf, -np.inf, np.nan]), min_size=5, max_size=5),
                 min_size=1, max_size=4))
 def test_argmax_is_numpys_on_ties_infinities_and_nan(rows):

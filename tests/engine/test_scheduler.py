@@ -24,6 +24,7 @@ from jaxengine.cache.prefix_cache import PrefixCache
 from jaxengine.engine.sampling_params import SamplingParams
 from jaxengine.engine.scheduler import ScheduledStep, Scheduler
 from jaxengine.engine.sequence import Sequence, Status
+from tests.property_examples import examples
 
 PAGE = 4
 CKPT_BLOCKS = 3  # a checkpoint spans three blocks
@@ -149,7 +150,7 @@ def _run_workload(shared, requests, budget, max_seqs, extra_blocks, retention, k
     return sched, seqs
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(**workload_st)
 # Found by the search: a hit whose checkpoint pins the blocks the rest of the prompt needs,
 # with nothing running that could free others (the sequence must be taken as a miss).

@@ -15,6 +15,7 @@ from jaxengine.engine.speculative import NgramIndex, SpeculationGate, Speculativ
 from jaxengine.engine.step_executables import shape_key
 from jaxengine.run_config import ConfigError, load_run_config
 from tests.models.tiny_models import VOCAB_SIZE, hf_greedy, random_prompt, save_tiny_model
+from tests.property_examples import examples
 
 ARGS = dict(max_model_len=384, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False,
             compilation_cache_dir=None)
@@ -260,7 +261,7 @@ def _brute_force_lookup(tokens: list[int], k: int, lookup_min: int, lookup_max: 
     return []
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(tokens=st.lists(st.integers(0, 3), max_size=60), cuts=st.lists(st.integers(0, 60), max_size=8),
        k=st.integers(0, 5), bounds=st.tuples(st.integers(1, 4), st.integers(0, 3)))
 def test_ngram_lookup_kept_up_to_date_matches_the_definition(tokens, cuts, k, bounds):

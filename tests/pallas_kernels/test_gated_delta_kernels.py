@@ -30,6 +30,7 @@ from hypothesis import given, settings
 from pallas_kernels.gated_delta import kernel_gpu, kernel_tpu, ragged_gated_delta
 from tests.pallas_kernels.scan_checks import assert_kernel_matches_reference
 from tests.pallas_kernels.test_gated_delta_reference import NUM_SEQS, NUM_TOKENS, l2_normalised, make_inputs
+from tests.property_examples import examples
 
 CHUNK = 8
 SCALE = 0.35
@@ -49,7 +50,7 @@ RAGGED_BATCHES = dict(
 )
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(**RAGGED_BATCHES)
 def test_tpu_kernel_matches_reference(lengths, starts, dtype, seed):
     # Two key heads, each read by four value heads: one head block of 8 (the TPU block size).
@@ -101,7 +102,7 @@ def gpu_inputs(rng, lengths, starts, key_heads: int, ratio: int, num_pad: int, d
     return inputs
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=examples(5), deadline=None)
 @given(**RAGGED_BATCHES)
 def test_gpu_kernel_matches_reference(lengths, starts, dtype, seed):
     # Two key heads, each read by two value heads: four (sequence, head) blocks per sequence.

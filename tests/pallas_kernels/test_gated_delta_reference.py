@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from pallas_kernels.gated_delta import gated_delta_states_at, gated_delta_update, ragged_gated_delta
 from tests.pallas_kernels.scan_checks import assert_scan_states, every_position, states_after
 from tests.pallas_kernels.tolerance import assert_close_to_scale
+from tests.property_examples import examples
 
 KEY_DIM, VALUE_DIM = 8, 6
 # Every drawn batch is padded to these sizes, so the jitted functions compile once per chunk
@@ -96,7 +97,7 @@ def batches(draw):
     return chunk, lengths, starts, key_heads, ratio, dtype, draw(st.integers(0, 2**31 - 1))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(batches())
 def test_scan_matches_float64_recurrence(batch):
     chunk, lengths, starts, key_heads, ratio, dtype, seed = batch
@@ -117,7 +118,7 @@ def test_scan_matches_float64_recurrence(batch):
         assert_close(at[:count], states_after(want_states, seq, pos, starts, count))
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(st.sampled_from([(1, 1), (2, 2), (1, 3)]), st.integers(0, 2**31 - 1))
 def test_one_token_update_matches_recurrence(heads, seed):
     key_heads, ratio = heads

@@ -40,6 +40,7 @@ from hypothesis import example, given, settings
 
 from pallas_kernels.ragged_paged_attention import kernel_gpu, kernel_tpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention as reference
+from tests.property_examples import examples
 
 KERNELS = {"tpu": kernel_tpu.ragged_paged_attention, "gpu": kernel_gpu.ragged_paged_attention}
 # Block-size overrides per kernel, as functions of the case: the defaults, and the
@@ -209,7 +210,7 @@ def with_examples(test):
 
 
 @pytest.mark.parametrize("kernel_name", sorted(KERNELS))
-@settings(max_examples=4, deadline=None, database=None, derandomize=True)
+@settings(max_examples=examples(4), deadline=None, database=None, derandomize=True)
 @with_examples
 @given(case=cases())
 def test_kernel_matches_reference(kernel_name, case):

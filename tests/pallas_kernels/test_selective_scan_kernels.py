@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from pallas_kernels.selective_scan import kernel_gpu, kernel_tpu, ragged_selective_scan
 from tests.pallas_kernels.scan_checks import assert_kernel_matches_reference
 from tests.pallas_kernels.test_selective_scan_reference import NUM_SEQS, NUM_TOKENS, make_inputs
+from tests.property_examples import examples
 
 CHUNK = 8
 
@@ -39,7 +40,7 @@ reference = jax.jit(functools.partial(ragged_selective_scan, chunk_size=CHUNK))
 
 
 @pytest.mark.parametrize("platform", sorted(KERNELS))
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(
     lengths=st.lists(st.sampled_from([0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3]), min_size=NUM_SEQS,
                      max_size=NUM_SEQS),

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from pallas_kernels.selective_scan import ragged_selective_scan, selective_state_update, selective_states_at
 from tests.pallas_kernels.scan_checks import assert_scan_states, every_position, states_after
 from tests.pallas_kernels.tolerance import assert_close_to_scale
+from tests.property_examples import examples
 
 CHANNELS, STATE = 6, 4
 # Every drawn batch is padded to these sizes, so the jitted functions compile once per chunk
@@ -83,7 +84,7 @@ def batches(draw):
     return chunk, lengths, starts, dtype, draw(st.integers(0, 2**31 - 1))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(batches())
 def test_scan_matches_float64_recurrence(batch):
     chunk, lengths, starts, dtype, seed = batch
@@ -102,7 +103,7 @@ def test_scan_matches_float64_recurrence(batch):
         assert_close(at[:count], states_after(want_states, seq, pos, starts, count))
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(st.integers(0, 2**31 - 1))
 def test_one_token_update_matches_recurrence(seed):
     inputs = make_inputs(np.random.default_rng(seed), [1] * NUM_SEQS, [0] * NUM_SEQS, 0, jnp.float32)

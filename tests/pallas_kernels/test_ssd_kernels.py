@@ -37,6 +37,7 @@ from hypothesis import example, given, settings
 from pallas_kernels.ssd import kernel_gpu, kernel_tpu
 from pallas_kernels.ssd.reference import ragged_ssd_scan as reference_scan
 from tests.pallas_kernels.scan_checks import assert_kernel_matches_reference
+from tests.property_examples import examples
 
 NUM_SEQS = 4  # S of every drawn batch
 
@@ -160,7 +161,7 @@ def mixed_example(cs: int):
 @example(([1] * NUM_SEQS, [0, 15, 16, 33], 4, jnp.bfloat16, 1))  # decode only
 @example(([40, 17, 16, 2], [0, 16, 5, 31], 2, jnp.bfloat16, 2))  # prefill only
 @example(([0] * NUM_SEQS, [3, 0, 16, 9], 1, jnp.float32, 3))  # no tokens at all
-@settings(max_examples=4, deadline=None, database=None)
+@settings(max_examples=examples(4), deadline=None, database=None)
 def test_tpu_kernel_matches_reference(case):
     check_against_reference(TPU, *case)
 
@@ -171,7 +172,7 @@ def test_tpu_kernel_matches_reference(case):
 @example(([30, 98, 0, 0], [0, 30, 0, 0], 1, jnp.float32, 3))  # a shared y tile, then 128 real tokens
 @example(([1] * NUM_SEQS, [0, 63, 64, 200], 2, jnp.bfloat16, 4))  # decode only
 @example(([0] * NUM_SEQS, [3, 0, 64, 9], 2, jnp.float32, 5))  # no tokens at all
-@settings(max_examples=4, deadline=None, database=None)
+@settings(max_examples=examples(4), deadline=None, database=None)
 def test_gpu_kernel_matches_reference(case):
     check_against_reference(GPU, *case)
 

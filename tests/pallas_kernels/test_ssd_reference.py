@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from pallas_kernels.ragged import num_scan_rows
 from pallas_kernels.ssd.reference import ragged_ssd_scan, ssd_state_update, ssd_states_at
 from tests.pallas_kernels.tolerance import assert_close_to_scale
+from tests.property_examples import examples
 
 NUM_HEADS, HEAD_DIM, STATE_SIZE = 4, 3, 5  # H, P, N
 
@@ -186,7 +187,7 @@ def ragged_cases(draw):
 
 
 @given(ragged_cases())
-@settings(max_examples=15, deadline=None, database=None)
+@settings(max_examples=examples(15), deadline=None, database=None)
 def test_random_batches_match_sequential(case):
     """Drawn segment lengths, start positions and chunk sizes; the rest of the fixed token
     count is padding garbage."""
@@ -239,7 +240,7 @@ def test_state_update_matches_scan_on_single_tokens(num_groups):
     assert_close(new_state, scan.final_states)
 
 
-@settings(max_examples=5, deadline=None)  # each example compiles anew
+@settings(max_examples=examples(5), deadline=None)  # each example compiles anew
 @given(
     lengths=st.lists(st.integers(1, 30), min_size=1, max_size=4),
     starts=st.lists(st.integers(0, 40), min_size=4, max_size=4),

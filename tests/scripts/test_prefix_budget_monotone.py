@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxengine.run_config import DEFAULT_MODEL
+from tests.property_examples import examples
 from tests.scripts.load_script import load_script
 
 replay = load_script("replay_prefix_trace")
@@ -54,7 +55,7 @@ def hit_rate(requests: list, model: str, budget_checkpoints: float) -> float:
     return sum(hits) / sum(len(r.input_tokens) for r in requests)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(["agentic", "conversations", "few-shot"]), seed=st.integers(0, 10**6),
        model=st.sampled_from(sorted(MODELS)), budget=st.sampled_from([4, 6, 8, 12, 16, 24, 32]))
 def test_twice_the_memory_never_loses_hits(kind, seed, model, budget):
