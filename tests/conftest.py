@@ -10,8 +10,6 @@ import pytest
 from hypothesis import settings
 from transformers import logging as hf_logging
 
-from jaxengine.engine import step_store
-
 hf_logging.set_verbosity_error()
 # The suite's time is mostly XLA:CPU compiling tiny programs; LLVM's optimizations at level 0
 # halve it and the programs run as fast as these tests need (subprocesses inherit the flag).
@@ -22,10 +20,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 # steps under a home of this run's own: a test never loads steps another run stored.
 os.environ["HOME"] = tempfile.mkdtemp(prefix="jaxengine-tests-home-")
 warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
-# Engines of equal settings share their compiled steps (`step_store`); the suite keeps more of
-# them for the engines of later tests than a user's process does (its tiny models' steps are
-# small: about 250 memory maps each).
-step_store.KEPT_STEPS = 64
 
 
 @pytest.fixture(autouse=True, scope="module")
