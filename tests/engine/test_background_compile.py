@@ -16,7 +16,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "adaptive": False}  # always drafting
 
 
-@pytest.mark.parametrize("speculative_config", [None, NGRAM], ids=["plain", "ngram"])
+# With speculation (verify shapes among those that wait): under `slow`, the plain case runs fast.
+@pytest.mark.parametrize("speculative_config", [None, pytest.param(NGRAM, marks=pytest.mark.slow)], ids=["plain", "ngram"])
 def test_only_the_largest_shapes_wait_and_tokens_are_those_of_exact_shapes(tiny_models, monkeypatch,
                                                                             speculative_config):
     """With speculation, the largest shapes that wait are verify shapes: steps that verify
