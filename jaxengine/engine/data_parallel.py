@@ -153,13 +153,9 @@ class DataParallelEngine:
             raise errors[0]
         return done
 
-    @property
-    def closed(self) -> bool:
-        return self.replicas[0].closed
-
-    def shutdown(self, wait: bool = True) -> None:
+    def shutdown(self) -> None:
         for replica in self.replicas:
-            replica.shutdown(wait)
+            replica.shutdown()
 
     def reset_prefix_cache(self) -> None:
         for replica in self.replicas:

@@ -172,7 +172,6 @@ class LLMEngine:
                 blocks_per_checkpoint, self.block_bytes, num_blocks,
             )
         self.requests: dict[str, Sequence] = {}  # unfinished ones, by request id
-        self.closed = False  # by shutdown(): its device arrays and executables are given back
         self._id_lock = threading.Lock()
         self.compile_seconds = 0.0
         self.peak_blocks_in_use = 0
@@ -258,8 +257,7 @@ class LLMEngine:
 
     def validate_request(self, prompt: str | list[int], params: SamplingParams, where: str) -> list[int]:
         """The prompt's token ids, or a ValueError naming the request and the field."""
-        if self.closed:
-            raise RuntimeError("this engine was shut down (shutdown()); create another to serve requests")
+        self._check_open()
         cfg = self.model_config
         if not isinstance(params, SamplingParams):
             raise ValueError(f"{where}: sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -366,17 +364,22 @@ class LLMEngine:
         """Forgets every cached page and checkpoint (with no request in flight)."""
         self.scheduler.cache.clear()
 
-    def shutdown(self, wait: bool = True) -> None:
+    @property
+    def closed(self) -> bool:
+        """Whether the engine has given back what it held (`shutdown`)."""
+        return not self._release.alive
+
+    def shutdown(self) -> None:
         """Aborts the requests in flight and gives back what the engine holds: its step
-        executables, its background compile (stopped after the compile in flight; `wait`:
-        returns once it has), its pools and parameters. Later requests are refused."""
-        if self.closed:
-            return
-        self.closed = True
+        executables, its background compile (stopped after the compile in flight), its pools
+        and parameters. Later requests are refused."""
         for seq in list(self.requests.values()):
             self.abort(seq)
-        self._release.detach()
-        _release_runner(self.runner, wait)
+        self._release()  # once: a finalizer runs at most once
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine was shut down (shutdown()); create another to serve requests")
 
     # ------------------------------------------------------------------ stepping
 
@@ -388,8 +391,7 @@ class LLMEngine:
         scheduler consistent before the exception goes on: running sequences go back to the
         queue to be recomputed, and if the pools were lost the cache forgets their content.
         Which requests to abort is the caller's business (`abort`)."""
-        if self.closed:
-            raise RuntimeError("this engine was shut down (shutdown()); create another to serve requests")
+        self._check_open()
         with deferred_interrupts():
             try:
                 return self._step()
@@ -725,8 +727,8 @@ def _share_speculating(seqs: list[Sequence]) -> float:
     return sum(1 for seq in seqs if seq.speculates) / max(1, len(seqs))
 
 
-def _release_runner(runner: ModelRunner, wait: bool = True) -> None:
+def _release_runner(runner: ModelRunner) -> None:
     """Gives back a runner's executables, device arrays and background compile, and the host
     memory they freed."""
-    runner.close(wait)
+    runner.close()
     give_back_freed_memory()

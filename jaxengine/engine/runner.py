@@ -220,11 +220,11 @@ class ModelRunner:
         """How many step executables this runner has compiled or loaded (for recompile checks)."""
         return len(self.steps.ready) + self.model_step._cache_size()
 
-    def close(self, wait: bool = True) -> None:
+    def close(self) -> None:
         """Gives back what the runner holds: its step executables, its background compile
-        (stopped after the compile in flight; `wait`: returns once it has) and its device
-        arrays. The runner cannot run steps after."""
-        self.steps.close(wait)
+        (stopped after the compile in flight) and its device arrays. The runner cannot run
+        steps after."""
+        self.steps.close()
         for leaf in jax.tree.leaves((self.pools, self.draft_pools, self.param_leaves, self.draft_leaves)):
             if not leaf.is_deleted():
                 leaf.delete()

@@ -160,17 +160,18 @@ class StepExecutables:
         if self._thread is not None:
             self._thread.join()
 
-    def stop(self, wait: bool = True) -> None:
-        """Stops the background thread after the compile in flight (the rest stay uncompiled);
-        with `wait`, returns once it has stopped."""
+    def stop(self) -> None:
+        """Stops the background thread after the compile in flight (the rest stay uncompiled)
+        and returns once it has stopped (at once on that thread itself: the garbage collector
+        may close an engine there)."""
         self._stop.set()
-        if wait and self._thread is not threading.current_thread():
+        if self._thread is not threading.current_thread():
             self.wait()
 
-    def close(self, wait: bool = True) -> None:
+    def close(self) -> None:
         """Stops the background thread and lets go of every executable (those another engine
         holds stay its own; `step_store` keeps a bounded few for later engines)."""
-        self.stop(wait)
+        self.stop()
         self.ready.clear()
         self.unproven.clear()
 
