@@ -3,7 +3,6 @@ executables and the memory maps behind them, its device arrays, its background c
 the process keeps for later engines is bounded."""
 
 import gc
-import threading
 import weakref
 from pathlib import Path
 
@@ -22,10 +21,6 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 def _maps() -> int:
     return len(Path("/proc/self/maps").read_text().splitlines())
-
-
-def _compile_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "jaxengine-compile"]
 
 
 def test_freed_engines_give_back_their_memory_maps(tiny_models):
