@@ -16,10 +16,17 @@ Traces (a request's token hit rate counts its prompt only; see `replay_prefix_tr
   agentic-long-spec    the same with a 4,000-token specification and 64 sessions open at once;
   conversations        40 conversations x 6 turns, 512-token first messages, +64 answer +64
                        message per turn, ~33 other requests between two turns of one;
-  few-shot             a 1,536-token instruction, 4 families x 4 tasks of 256 + 256 tokens.
+  few-shot             a 1,536-token instruction, 4 families x 4 tasks of 256 + 256 tokens;
+  tokens:PATH          any trace in the token format of TRACES.md;
+  mooncake:PATH[@K/M]  any trace in Mooncake's format (512-token blocks), optionally one
+                       replica's share.
+`--budgets` replaces every trace's budgets (GB); a file's default is 5 10 20 40 80 for
+Mooncake's format and 1 2 4 8 for tokens.
 Each runs at its budgets through `replay_prefix_trace.py` with retention `dense` (the default)
 and `sparse`, KV and states in bfloat16 (as Marconi counts them), page 16, through
-`clairvoyant_prefix_cache.py`, and with `--marconi-dir` (a checkout of ruipeterpan/marconi; it
+`clairvoyant_prefix_cache.py` (Belady's eviction: the ceiling; and least-recently-used
+eviction of the same clairvoyant checkpoints: what knowing *which* content returns, but not
+*when*, is worth), and with `--marconi-dir` (a checkout of ruipeterpan/marconi; it
 needs scipy and transformers) through Marconi's simulator: V1 (SGLang's policy: LRU over radix
 leaves) and V2 (Marconi: FLOP-efficiency and recency, alpha tuned online), with the model this
 config describes (Marconi counts bytes with its own formulas, which match this 7B shape).
@@ -62,6 +69,11 @@ MOONCAKE_FILES = {"conv": "conversation_trace.jsonl", "synth": "synthetic_trace.
 
 def load(name: str, mooncake_dir: Path | None, out_dir: Path) -> tuple[Path, list[str], list[float]]:
     """The trace file, the replay tool's format arguments, and the budgets (GB) of `name`."""
+    if name.startswith("tokens:"):
+        return Path(name.removeprefix("tokens:")), [], [1, 2, 4, 8]
+    if name.startswith("mooncake:"):
+        path, _, replica = name.removeprefix("mooncake:").partition("@")
+        return Path(path), ["--format", "mooncake", *(["--replica", replica] if replica else [])], MOONCAKE_BUDGETS
     if name.startswith("mooncake-"):
         kind, replica = name.removeprefix("mooncake-").split("-", 1)
         if mooncake_dir is None:
@@ -103,9 +115,12 @@ def run_trace(name: str, path: Path, fmt: list[str], budgets: list[float], model
             row[f"ours {retention}"] = sum(replay_prefix_trace.replay(requests, sched, s)) / num_input
             if retention == "dense":
                 row["lost to want of a checkpoint"] = sched.stats.tokens_lost / num_input
-        hits = clairvoyant_prefix_cache.best_hits(requests, page_size=16, checkpoint_blocks=s.checkpoint_blocks,
-                                                  page_blocks=1 if s.kv_page_bytes else 0, budget_blocks=s.budget_blocks)
-        row["clairvoyant"] = sum(hits) / num_input
+        for eviction, column in (("belady", "clairvoyant"), ("lru", "clairvoyant which, LRU")):
+            hits = clairvoyant_prefix_cache.best_hits(requests, eviction, page_size=16,
+                                                      checkpoint_blocks=s.checkpoint_blocks,
+                                                      page_blocks=1 if s.kv_page_bytes else 0,
+                                                      budget_blocks=s.budget_blocks)
+            row[column] = sum(hits) / num_input
         if radix_cache is not None:
             start = time.perf_counter()
             row["Marconi V1"] = marconi(radix_cache, requests, gb * GB, 1, cfg)
@@ -137,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--marconi-dir", type=Path, help="a checkout of ruipeterpan/marconi")
     parser.add_argument("--traces", nargs="+", help=f"default: {' '.join(DEFAULT_TRACES)} (mooncake ones "
                         "only with --mooncake-dir)")
+    parser.add_argument("--budgets", type=float, nargs="+", help="GB, for every trace (default: per trace)")
     parser.add_argument("--model-config", type=Path,
                         default=Path(__file__).parent.parent / "configs" / "models" / "nemotron-h-7b-shape")
     parser.add_argument("--out-dir", type=Path, default=Path("bench_replay"))
@@ -151,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"date": time.strftime("%Y-%m-%d"), "model_config": str(args.model_config), "traces": {}}
     for name in names:
         path, fmt, budgets = load(name, args.mooncake_dir, args.out_dir)
+        budgets = args.budgets or budgets
         results["traces"][name] = run_trace(name, path, fmt, budgets, args.model_config, radix_cache)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")

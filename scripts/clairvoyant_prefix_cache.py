@@ -26,6 +26,11 @@ hit ends is a hit point, held by its pages. A request whose own hit point was ev
 deepest one still held on its path. Belady's rule is optimal for items of one size used at
 known times; hit points here differ in size and share pages, so this is a strong reference
 rather than a proven bound: an online policy can beat it on some traces.
+
+`--eviction lru` keeps the first kind of foresight and drops the second: checkpoints only
+where a later hit ends, evicted least recently used first (a hit point is used when a request
+hits it or, counted on the path, passes it). It says how much of the ceiling comes from
+knowing *which* content returns rather than *when*.
 """
 
 import argparse
@@ -53,6 +58,8 @@ class _Node:
     below: int = 0  # checkpoints at or under it
     checkpoint: bool = False
 
+    last_use: int = 0  # the request that last stored, hit or passed it
+
     def next_use_time(self, now: int) -> int:
         while self.next_use < len(self.uses) and self.uses[self.next_use] <= now:
             self.next_use += 1
@@ -74,11 +81,12 @@ def hit_pages(inputs: Sequence[list[bytes]], stored: Sequence[list[bytes]]) -> l
 
 
 def clairvoyant(requests: list, *, page_size: int, checkpoint_blocks: int, page_blocks: int,
-                budget_blocks: int, on_path: bool) -> list[int]:
+                budget_blocks: int, on_path: bool, eviction: str = "belady") -> list[int]:
     """Hit tokens of each request under the clairvoyant policy (see the module's docstring).
     `page_blocks` is 1 when pages take cache blocks (the model has attention layers), else 0.
     `on_path`: a hit point's uses are the requests that pass it on the way to their own
-    (True), or only those whose hit ends there (False)."""
+    (True), or only those whose hit ends there (False). `eviction`: "belady" (farthest next
+    use first) or "lru" (least recently used first)."""
     root = root_hash(None)
     inputs, stored = [], []
     for r in requests:
@@ -101,6 +109,8 @@ def clairvoyant(requests: list, *, page_size: int, checkpoint_blocks: int, page_
         # Look up: the deepest checkpoint held on the request's path.
         hit = next((d for d in range(len(hashes), 0, -1) if nodes.get(hashes[d - 1]) in checkpoints), 0)
         hits.append(hit * page_size)
+        for d in range(1, hit + 1) if on_path else range(hit, hit + 1) if hit else ():
+            nodes[hashes[d - 1]].last_use = i
         # Store: a checkpoint where later hits end, at each page boundary this request computed.
         parent = None
         for d, h in enumerate(kept, 1):
@@ -111,6 +121,7 @@ def clairvoyant(requests: list, *, page_size: int, checkpoint_blocks: int, page_
             parent = node
             if d > hit and node not in checkpoints and node.next_use_time(i) != NEVER:
                 checkpoints.add(node)
+                node.last_use = i
                 held += checkpoint_blocks
                 n = node
                 while n is not None:
@@ -121,7 +132,11 @@ def clairvoyant(requests: list, *, page_size: int, checkpoint_blocks: int, page_
                     n = n.parent
         # Evict: farthest next use first, with the pages only it made reachable.
         if held > budget_blocks:
-            for node in sorted(checkpoints, key=lambda n: n.next_use_time(i), reverse=True):
+            if eviction == "belady":
+                order = sorted(checkpoints, key=lambda n: n.next_use_time(i), reverse=True)
+            else:
+                order = sorted(checkpoints, key=lambda n: n.last_use)
+            for node in order:
                 if held <= budget_blocks:
                     break
                 checkpoints.remove(node)
@@ -136,19 +151,21 @@ def clairvoyant(requests: list, *, page_size: int, checkpoint_blocks: int, page_
     return hits
 
 
-def best_hits(requests: list, **sizes: int) -> list[int]:
+def best_hits(requests: list, eviction: str = "belady", **sizes: int) -> list[int]:
     """The clairvoyant's hits under whichever counting of uses hits more on this trace."""
-    runs = [clairvoyant(requests, **sizes, on_path=on_path) for on_path in (False, True)]
+    runs = [clairvoyant(requests, **sizes, on_path=on_path, eviction=eviction) for on_path in (False, True)]
     return max(runs, key=sum)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     replay_prefix_trace.add_trace_arguments(parser)
+    parser.add_argument("--eviction", choices=["belady", "lru"], default="belady",
+                        help="farthest next use first (the ceiling), or least recently used first")
     args = parser.parse_args(argv)
     requests, cfg, s = replay_prefix_trace.trace_and_sizes(parser, args)
     start = time.perf_counter()
-    hits = best_hits(requests, page_size=args.page_size, checkpoint_blocks=s.checkpoint_blocks,
+    hits = best_hits(requests, args.eviction, page_size=args.page_size, checkpoint_blocks=s.checkpoint_blocks,
                      page_blocks=1 if s.kv_page_bytes else 0, budget_blocks=s.budget_blocks)
     num_input = sum(len(r.input_tokens) for r in requests)
     result = {"requests": len(requests), "input_tokens": num_input, "hit_tokens": sum(hits),

@@ -66,3 +66,15 @@ def test_command_line_reads_both_formats(tmp_path: Path, capsys):
     # The second request shares blocks 1 and 2 (64 tokens) with the first.
     assert result["hit_tokens"] == 64 and result["input_tokens"] == 160
     assert "clairvoyant token hit rate: 0.4000" in capsys.readouterr().out
+
+
+def test_lru_eviction_keeps_the_one_used_last():
+    # The same A B A A B trace: with least-recently-used eviction of the same checkpoints, the
+    # second request's B evicts A, so the third request (A) misses; A's then evicts B's, and the
+    # fourth (A) hits; the fifth (B) misses, B having gone when A came back.
+    a, b = list(range(1, 49)), list(range(101, 149))
+    order = [a, b, a, a, b]
+    requests = [_request(p + [200 + i] * 10, [300 + i] * 5) for i, p in enumerate(order)]
+    hits = clairvoyant.clairvoyant(requests, page_size=16, checkpoint_blocks=4, page_blocks=1, budget_blocks=7,
+                                   on_path=False, eviction="lru")
+    assert hits == [0, 0, 0, 48, 0]
