@@ -29,6 +29,12 @@ once, the next request coming from one of them at random, and a session runs a r
 of turns from `--turns`.
 Token ids are drawn uniformly from [1, vocab size); message and output lengths uniformly
 from the inclusive ranges given.
+
+`--mooncake-blocks N` writes the trace in Mooncake's format instead (as kvcache-ai/Mooncake's
+FAST'25 traces: `timestamp`, `input_length`, `output_length`, and one `hash_ids` entry per
+N-token block of the prompt, equal ids for blocks whose whole prefix is equal): the same
+traffic as a system that hashes its prompts per block sees it, for
+`replay_prefix_trace.py --format mooncake --block-tokens N`.
 """
 
 import argparse
@@ -183,6 +189,20 @@ def write_trace(requests: list[Request], path: Path) -> None:
             f.write(json.dumps(request.to_json(float(i))) + "\n")
 
 
+def write_mooncake_trace(requests: list[Request], path: Path, block_tokens: int) -> None:
+    """Writes one Mooncake line per request: a block's id names it and every token before it
+    (ids in order of first appearance), `timestamp` the line index in milliseconds."""
+    ids: dict[tuple, int] = {}
+    with path.open("w") as f:
+        for i, request in enumerate(requests):
+            tokens, hash_ids, parent = request.input_tokens, [], -1
+            for start in range(0, len(tokens), block_tokens):
+                parent = ids.setdefault((parent, tuple(tokens[start : start + block_tokens])), len(ids))
+                hash_ids.append(parent)
+            f.write(json.dumps({"timestamp": 1000 * i, "input_length": len(tokens),
+                                "output_length": len(request.output_tokens), "hash_ids": hash_ids}) + "\n")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     kinds = parser.add_subparsers(dest="kind", required=True)
@@ -222,6 +242,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("out", type=Path, help="the JSON Lines file to write")
         sub.add_argument("--seed", type=int, default=0)
         sub.add_argument("--vocab-size", type=int, default=4096)
+        sub.add_argument("--mooncake-blocks", type=int, metavar="N",
+                         help="write Mooncake's format with N-token blocks (see above)")
     return parser
 
 
@@ -256,7 +278,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         requests = system_prompt(src, system_tokens=args.system_tokens, num_questions=args.questions,
                                  message_tokens=tuple(args.message_tokens), output_tokens=tuple(args.output_tokens))
-    write_trace(requests, args.out)
+    if args.mooncake_blocks is not None:
+        if args.mooncake_blocks < 1:
+            parser.error(f"--mooncake-blocks must be >= 1, got {args.mooncake_blocks}")
+        write_mooncake_trace(requests, args.out, args.mooncake_blocks)
+    else:
+        write_trace(requests, args.out)
     total = sum(len(r.input_tokens) for r in requests)
     gap = mean_turn_gap(requests)
     between = f"; {gap:.1f} other requests between two turns of a session on average" if gap is not None else ""

@@ -265,3 +265,34 @@ def test_the_engines_pool_arrangement(shared_prefix_trace):
     assert 0 < held <= 39
     with pytest.raises(SystemExit):
         _run(shared_prefix_trace, HYBRID, "--budget-bytes", "0", "--pool-blocks", "1")
+
+
+def test_agent_sessions_in_mooncakes_format_name_equal_blocks_alike(tmp_path):
+    # The same trace in both formats: two requests' hash ids agree for exactly as many
+    # leading blocks as their token ids agree in whole blocks (counted here from the tokens).
+    args = ["agentic", "--sessions", "4", "--max-active", "2", "--turns", "2", "3", "--tool-spec-tokens", "40",
+            "--tool-result-tokens", "10", "30", "--action-tokens", "5", "10", "--task-tokens", "5", "10"]
+    make_trace.main([*args, str(tmp_path / "t.jsonl")])
+    make_trace.main([*args, str(tmp_path / "m.jsonl"), "--mooncake-blocks", "16"])
+    tokens = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    blocks = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [b["input_length"] for b in blocks] == [len(t["input_tokens"]) for t in tokens]
+    assert [b["output_length"] for b in blocks] == [len(t["output_tokens"]) for t in tokens]
+
+    def equal_blocks(a: list, b: list) -> int:
+        """Leading blocks (the last one possibly partial) whose tokens, and all before, agree."""
+        n = 0
+        while n < min(len(a), len(b)) / 16 and a[: 16 * (n + 1)] == b[: 16 * (n + 1)]:
+            n += 1
+        return n
+
+    shared = 0
+    for i, (ti, bi) in enumerate(zip(tokens, blocks)):
+        assert len(bi["hash_ids"]) == -(-len(ti["input_tokens"]) // 16)
+        for tj, bj in zip(tokens[:i], blocks[:i]):
+            n = equal_blocks(ti["input_tokens"], tj["input_tokens"])
+            ids = next((k for k, (x, y) in enumerate(zip(bi["hash_ids"], bj["hash_ids"])) if x != y),
+                       min(len(bi["hash_ids"]), len(bj["hash_ids"])))
+            assert ids == n
+            shared += n > 0
+    assert shared > 0  # the tool specification's blocks are shared
