@@ -1,11 +1,12 @@
 """Serving while the background thread compiles: steps run in larger ready shapes meanwhile."""
 
+import gc
 import threading
 
 import pytest
 
 from jaxengine import LLM, SamplingParams
-from jaxengine.engine import step_executables
+from jaxengine.engine import step_executables, step_store
 from jaxengine.engine.batch_builder import Shape
 from jaxengine.engine.llm_engine import _covers
 
@@ -22,6 +23,8 @@ def test_only_the_largest_shapes_wait_and_tokens_are_those_of_exact_shapes(tiny_
                                                                             speculative_config):
     """With speculation, the largest shapes that wait are verify shapes: steps that verify
     drafts, decode or mixed, fit only them."""
+    step_store.forget_shared_steps()  # every shape compiled here, whatever ran before in this process
+    gc.collect()
     gate = threading.Event()  # holds the background thread back until the first call is done
     compile_all = step_executables._compile_all
     monkeypatch.setattr(step_executables, "_compile_all", lambda owner: (gate.wait(), compile_all(owner)))
