@@ -57,7 +57,6 @@ class _Node:
     cached: bool = False  # its page is held
     below: int = 0  # checkpoints at or under it
     checkpoint: bool = False
-
     last_use: int = 0  # the request that last stored, hit or passed it
 
     def next_use_time(self, now: int) -> int:
@@ -109,8 +108,8 @@ def clairvoyant(requests: list, *, page_size: int, checkpoint_blocks: int, page_
         # Look up: the deepest checkpoint held on the request's path.
         hit = next((d for d in range(len(hashes), 0, -1) if nodes.get(hashes[d - 1]) in checkpoints), 0)
         hits.append(hit * page_size)
-        for d in range(1, hit + 1) if on_path else range(hit, hit + 1) if hit else ():
-            nodes[hashes[d - 1]].last_use = i
+        for h in hashes[:hit] if on_path else hashes[hit - 1 : hit]:  # its uses, counted as above
+            nodes[h].last_use = i
         # Store: a checkpoint where later hits end, at each page boundary this request computed.
         parent = None
         for d, h in enumerate(kept, 1):
