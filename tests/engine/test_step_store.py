@@ -220,7 +220,6 @@ def test_programs_that_share_a_store_in_turn_give_the_tokens_of_no_store(tiny_mo
     want = stored[2], _tokens(LLM(model, **{**other, "compilation_cache_dir": None}))
     assert [eval(tokens) for tokens in got] == [want[0], want[1], want[0]]
     assert len(list((tmp_path / ".cache" / "jaxengine" / "xla" / "steps").glob("*.bin"))) == 6  # 3 shapes each
-    assert len(list((tmp_path / ".cache" / "jaxengine" / "xla" / "steps").glob("*.bin"))) >= 6
 
 
 def test_a_stored_executable_loads_onto_the_devices_it_was_made_for(tmp_path, monkeypatch):
