@@ -14,5 +14,15 @@ from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestOutput, S
 from jaxengine.engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from jaxengine.inputs import TextPrompt, TokensPrompt  # noqa: E402
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput", "RequestOutputKind",
-           "SamplingParams", "StreamOutput", "TextPrompt", "TokensPrompt"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "Logprob",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "StreamOutput",
+    "TextPrompt",
+    "TokensPrompt",
+]

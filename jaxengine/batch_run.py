@@ -97,8 +97,9 @@ def run_batch(cfg: RunConfig) -> dict:
     outputs = llm.generate(prompts, [r.params for r in requests], use_tqdm=cfg.progress)
     wall = time.perf_counter() - start
 
-    records = "".join(json.dumps(_output_record(r.id, out, c)) + "\n" for r, out in zip(requests, outputs)
-                      for c in out.outputs)
+    records = "".join(
+        json.dumps(_output_record(r.id, out, c)) + "\n" for r, out in zip(requests, outputs) for c in out.outputs
+    )
     metrics = _metrics(cfg, llm, outputs, wall, load_and_compile)
     write_together({cfg.output: records, cfg.metrics: json.dumps(metrics, indent=2) + "\n"})
     return metrics

@@ -13,7 +13,13 @@ from jaxengine.run_config import DEFAULT_MODEL
 HOST_ARGS = ("distributed_init_addr", "num_nodes", "node_rank")
 
 # Files copied beside the converted parameters so the output directory is a complete model.
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -76,11 +82,18 @@ def main(argv: list[str] | None = None) -> None:
 
     run = sub.add_parser("run", help="run a batch job described by a YAML config")
     run.add_argument("config", help="YAML config (see configs/default.yaml)")
-    run.add_argument("--distributed-init-addr", dest="distributed_init_addr",
-                     help="many hosts: process 0's host:port (over the config's engine key)")
+    run.add_argument(
+        "--distributed-init-addr",
+        dest="distributed_init_addr",
+        help="many hosts: process 0's host:port (over the config's engine key)",
+    )
     run.add_argument("--num-nodes", dest="num_nodes", type=int, help="many hosts: how many processes")
-    run.add_argument("--node-rank", dest="node_rank", type=int, help="many hosts: this process's rank (0 takes "
-                     "the requests and writes the outputs)")
+    run.add_argument(
+        "--node-rank",
+        dest="node_rank",
+        type=int,
+        help="many hosts: this process's rank (0 takes the requests and writes the outputs)",
+    )
     run.set_defaults(func=_run)
 
     gen = sub.add_parser("generate", help="generate completions for prompts")

@@ -28,8 +28,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--json", default="bench_concurrency.json")
     args = parser.parse_args()
-    llm = LLM(DEFAULT_MODEL, max_model_len=args.prompt_len + args.max_tokens + 16, max_num_seqs=args.threads,
-              max_num_batched_tokens=max(256, args.threads * args.prompt_len), compilation_cache_dir=None)
+    llm = LLM(
+        DEFAULT_MODEL,
+        max_model_len=args.prompt_len + args.max_tokens + 16,
+        max_num_seqs=args.threads,
+        max_num_batched_tokens=max(256, args.threads * args.prompt_len),
+        compilation_cache_dir=None,
+    )
     vocab = llm.engine.model_config.vocab_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, vocab, args.prompt_len).tolist() for _ in range(args.threads * args.calls)]

@@ -33,13 +33,16 @@ def main() -> None:
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(0)
     for batch in args.batch_sizes:
+
         def prompts() -> list[list[int]]:
             return [rng.integers(1, 8192, 128).tolist() for _ in range(batch)]  # noqa: B023
 
         for _ in range(2):
             llm.generate(prompts(), params, use_tqdm=False)
-        tpot = [statistics.mean(o.time_per_output_token for o in llm.generate(prompts(), params, use_tqdm=False))
-                for _ in range(3)]
+        tpot = [
+            statistics.mean(o.time_per_output_token for o in llm.generate(prompts(), params, use_tqdm=False))
+            for _ in range(3)
+        ]
         print(f"batch {batch}: {statistics.median(tpot) * 1e3:.2f} ms per output token")
 
 

@@ -28,8 +28,9 @@ from jaxengine.run_config import DEFAULT_MODEL  # noqa: E402
 def memory() -> tuple[int, float]:
     """(memory mappings, resident MiB) of this process."""
     maps = len(Path("/proc/self/maps").read_text().splitlines())
-    rss = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
-               if line.startswith("VmRSS:"))
+    rss = next(
+        int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmRSS:")
+    )
     return maps, rss / 1024
 
 
@@ -64,13 +65,17 @@ def main() -> None:
         rows.append(dict(cycle=i, maps=maps, resident_mib=round(rss, 1), seconds=round(time.perf_counter() - start, 2)))
         print(f"{i:5d} {maps:5d} {rss:13.1f} {rows[-1]['seconds']:8.2f} {step_store.num_kept_steps():11d}", flush=True)
     first, last = rows[0], rows[-1]
-    summary = dict(maps_last_over_first=round(last["maps"] / first["maps"], 3),
-                   resident_last_over_first=round(last["resident_mib"] / first["resident_mib"], 3),
-                   max_maps=max(r["maps"] for r in rows), max_resident_mib=max(r["resident_mib"] for r in rows))
+    summary = dict(
+        maps_last_over_first=round(last["maps"] / first["maps"], 3),
+        resident_last_over_first=round(last["resident_mib"] / first["resident_mib"], 3),
+        max_maps=max(r["maps"] for r in rows),
+        max_resident_mib=max(r["resident_mib"] for r in rows),
+    )
     print(json.dumps(summary))
     if args.json:
-        args.json.write_text(json.dumps(dict(args=vars(args) | {"json": str(args.json)}, cycles=rows, summary=summary),
-                                        indent=1))
+        args.json.write_text(
+            json.dumps(dict(args=vars(args) | {"json": str(args.json)}, cycles=rows, summary=summary), indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,9 @@ def child(model_dir: str, tp: int, dtype: str) -> dict:
 def _run_child(model_dir: Path, tp: int, dtype: str) -> dict:
     env = dict(os.environ)
     env.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    out = subprocess.run([sys.executable, __file__, "--child", str(model_dir), str(tp), dtype],
-                         env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(model_dir), str(tp), dtype], env=env, capture_output=True, text=True
+    )
     if out.returncode:  # e.g. a size the model's heads refuse: its ValueError's message
         return {"error": (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -104,17 +105,24 @@ def main(argv: list[str] | None = None) -> None:
             bench_throughput.build_random_model(model, "bamba")
         converted = Path(tmp) / "converted"
         cli_main(["convert", str(model), str(converted), "--dtype", args.dtype])
-        rows = [{"source": source, "tp": tp, **_run_child(path, tp, args.dtype)}
-                for source, path in (("safetensors", model), ("orbax", converted)) for tp in args.tp]
-    print(f"{'source':<12} {'TP':>3} {'model MiB':>10} {'device 0 MiB':>13} {'peak above start MiB':>21} "
-          f"{'peak / model':>13} {'load s':>7}")
+        rows = [
+            {"source": source, "tp": tp, **_run_child(path, tp, args.dtype)}
+            for source, path in (("safetensors", model), ("orbax", converted))
+            for tp in args.tp
+        ]
+    print(
+        f"{'source':<12} {'TP':>3} {'model MiB':>10} {'device 0 MiB':>13} {'peak above start MiB':>21} "
+        f"{'peak / model':>13} {'load s':>7}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['source']:<12} {r['tp']:>3} {r['error']}")
             continue
-        print(f"{r['source']:<12} {r['tp']:>3} {r['model_bytes'] / MIB:>10.1f} {r['device0_bytes'] / MIB:>13.1f} "
-              f"{r['peak_above_start_bytes'] / MIB:>21.1f} {r['peak_above_start_bytes'] / r['model_bytes']:>13.2f} "
-              f"{r['seconds']:>7.2f}")
+        print(
+            f"{r['source']:<12} {r['tp']:>3} {r['model_bytes'] / MIB:>10.1f} {r['device0_bytes'] / MIB:>13.1f} "
+            f"{r['peak_above_start_bytes'] / MIB:>21.1f} {r['peak_above_start_bytes'] / r['model_bytes']:>13.2f} "
+            f"{r['seconds']:>7.2f}"
+        )
     if args.json:
         name = "bench_throughput.py's random Bamba" if args.random_bamba else str(args.model or DEFAULT_MODEL)
         Path(args.json).write_text(json.dumps({"model": name, "dtype": args.dtype, "rows": rows}, indent=2) + "\n")

@@ -59,19 +59,32 @@ def measure(model_dir: str, dtype: str, tp: int, context_tokens: int, sequences:
     params = sum(math.prod(x.shape) for x in leaves)
     total = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
     # Row-parallel projections: a 2-D kernel (or an expert stack's down projection) split on its input.
-    row_parallel = sum(1 for x, s in zip(leaves, shardings)
-                       if x.ndim >= 2 and s.spec and s.spec[x.ndim - 2] == MODEL and x.shape[-1] == cfg.hidden_size)
+    row_parallel = sum(
+        1
+        for x, s in zip(leaves, shardings)
+        if x.ndim >= 2 and s.spec and s.spec[x.ndim - 2] == MODEL and x.shape[-1] == cfg.hidden_size
+    )
     kv = 0
     if cfg.num_kv_layers:
         a = cfg.attention
         page = (1, 1, a.num_kv_heads, a.head_dim)
         kv = 2 * cfg.num_kv_layers * context_tokens * _shard_bytes(kv_page_sharding(mesh, rules, page), page, dtype)
-    states = sum(_shard_bytes(state_sharding(mesh, rules, arr, sequences), (sequences, *arr.shape), arr.dtype(dtype))
-                 for arrays in recurrent_states(cfg) for arr in arrays)
+    states = sum(
+        _shard_bytes(state_sharding(mesh, rules, arr, sequences), (sequences, *arr.shape), arr.dtype(dtype))
+        for arrays in recurrent_states(cfg)
+        for arr in arrays
+    )
     itemsize = jnp.dtype(dtype).itemsize
-    return dict(tp=tp, params=params, weights_gib=weights / GIB, weights_total_gib=total / GIB, kv_cache_gib=kv / GIB,
-                states_gib=states / GIB, row_parallel_projections=row_parallel,
-                allreduce_bytes_per_token=(row_parallel + 1) * cfg.hidden_size * itemsize if tp > 1 else 0)
+    return dict(
+        tp=tp,
+        params=params,
+        weights_gib=weights / GIB,
+        weights_total_gib=total / GIB,
+        kv_cache_gib=kv / GIB,
+        states_gib=states / GIB,
+        row_parallel_projections=row_parallel,
+        allreduce_bytes_per_token=(row_parallel + 1) * cfg.hidden_size * itemsize if tp > 1 else 0,
+    )
 
 
 def fit(model_dir: str, dtype: str, context_tokens: int, sequences: int) -> dict:
@@ -79,14 +92,20 @@ def fit(model_dir: str, dtype: str, context_tokens: int, sequences: int) -> dict
     r = measure(model_dir, dtype, FIT_TP, context_tokens, sequences)
     cache_gib = r["kv_cache_gib"] + r["states_gib"]
     need_bytes = (r["weights_gib"] + cache_gib) * GIB
-    return dict(model=os.path.basename(os.path.normpath(model_dir)), params_b=r["params"] / 1e9,
-                weights_gib=r["weights_gib"], cache_gib=cache_gib,
-                fits={hbm: need_bytes <= (1 - HEADROOM) * hbm_bytes for hbm, hbm_bytes in HBM_BYTES.items()})
+    return dict(
+        model=os.path.basename(os.path.normpath(model_dir)),
+        params_b=r["params"] / 1e9,
+        weights_gib=r["weights_gib"],
+        cache_gib=cache_gib,
+        fits={hbm: need_bytes <= (1 - HEADROOM) * hbm_bytes for hbm, hbm_bytes in HBM_BYTES.items()},
+    )
 
 
 def print_fit_table(rows: list[dict], dtype: str, context_tokens: int, sequences: int) -> None:
-    print(f"TP {FIT_TP}, {dtype}; device 0's share; KV for {context_tokens} tokens, states of {sequences} sequences; "
-          f"fits: weights + cache <= {1 - HEADROOM:.0%} of one device's memory")
+    print(
+        f"TP {FIT_TP}, {dtype}; device 0's share; KV for {context_tokens} tokens, states of {sequences} sequences; "
+        f"fits: weights + cache <= {1 - HEADROOM:.0%} of one device's memory"
+    )
     print("| model | params (B) | weights GiB | KV + states GiB | " + " | ".join(HBM_BYTES) + " |")
     print("| --- | ---: | ---: | ---: |" + " :---: |" * len(HBM_BYTES))
     for r in rows:
@@ -99,8 +118,10 @@ def print_tp_table(rows: list[dict], model_dir: str, dtype: str, context_tokens:
     print("| TP | weights GiB | KV cache GiB | live states GiB | all-reduce bytes / token |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['tp']} | {r['weights_gib']:.2f} | {r['kv_cache_gib']:.2f} | {r['states_gib']:.3f} | "
-              f"{r['allreduce_bytes_per_token']:,} |")
+        print(
+            f"| {r['tp']} | {r['weights_gib']:.2f} | {r['kv_cache_gib']:.2f} | {r['states_gib']:.3f} | "
+            f"{r['allreduce_bytes_per_token']:,} |"
+        )
 
 
 def main() -> None:

@@ -57,9 +57,14 @@ def _llama_like(hybrid_dir: Path, out: Path) -> Path:
     cfg = load_model_config(hybrid_dir)
     a = cfg.attention
     llama = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.mlp.intermediate_size,
-        num_hidden_layers=len(cfg.layers), num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
-        max_position_embeddings=4096, tie_word_embeddings=True,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.mlp.intermediate_size,
+        num_hidden_layers=len(cfg.layers),
+        num_attention_heads=a.num_heads,
+        num_key_value_heads=a.num_kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
     )
     LlamaForCausalLM(llama).save_pretrained(out)
     return out
@@ -89,8 +94,13 @@ RETENTIONS = {"dense": None, "sparse": 0, "every=128": 128}
 
 
 def _conversations(model: Path, retention: int | None, cache_bytes: int) -> dict:
-    llm = LLM(model, prefix_cache_retention_interval=retention, kv_cache_memory_bytes=cache_bytes,
-              compilation_cache_dir=None, **{**ENGINE, "warm_up": False})  # one request at a time: few shapes
+    llm = LLM(
+        model,
+        prefix_cache_retention_interval=retention,
+        kv_cache_memory_bytes=cache_bytes,
+        compilation_cache_dir=None,
+        **{**ENGINE, "warm_up": False},
+    )  # one request at a time: few shapes
     vocab = llm.engine.model_config.vocab_size
     system = _tokens(300, 99, vocab)
     convs = [system + _tokens(120, 1000 + c, vocab) for c in range(8)]
@@ -99,18 +109,35 @@ def _conversations(model: Path, retention: int | None, cache_bytes: int) -> dict
             out = llm.generate([convs[c]], GREEDY, use_tqdm=False)[0]
             convs[c] = convs[c] + out.outputs[0].token_ids + _tokens(40, 10_000 + 8 * turn + c, vocab)
     stats = llm.stats()
-    keys = ("hit_rate", "tokens_lost_for_want_of_checkpoint", "kv_page_bytes_held", "checkpoint_bytes_held",
-            "checkpoints_held", "kv_page_evictions", "checkpoint_evictions", "checkpoints_written",
-            "checkpoints_skipped", "cache_blocks", "cache_block_bytes")
+    keys = (
+        "hit_rate",
+        "tokens_lost_for_want_of_checkpoint",
+        "kv_page_bytes_held",
+        "checkpoint_bytes_held",
+        "checkpoints_held",
+        "kv_page_evictions",
+        "checkpoint_evictions",
+        "checkpoints_written",
+        "checkpoints_skipped",
+        "cache_blocks",
+        "cache_block_bytes",
+    )
     return {k: stats[k] for k in keys}
 
 
 def _agentic(model: Path, cache_bytes: int, out: Path) -> dict:
     llm = LLM(model, kv_cache_memory_bytes=cache_bytes, compilation_cache_dir=None, **{**ENGINE, "warm_up": False})
     vocab = llm.engine.model_config.vocab_size
-    plan = make_prefix_trace.agentic(make_prefix_trace.TokenSource(0, vocab), num_sessions=16, turns=(3, 6),
-                                     tool_spec_tokens=600, task_tokens=(20, 80), tool_result_tokens=(40, 200),
-                                     action_tokens=(8, 24), max_active=8)
+    plan = make_prefix_trace.agentic(
+        make_prefix_trace.TokenSource(0, vocab),
+        num_sessions=16,
+        turns=(3, 6),
+        tool_spec_tokens=600,
+        task_tokens=(20, 80),
+        tool_result_tokens=(40, 200),
+        action_tokens=(8, 24),
+        max_active=8,
+    )
     history: dict[int, tuple[int, list[int]]] = {}  # session -> (the plan's history length, the real one)
     realized = []
     for r in plan:
@@ -123,13 +150,25 @@ def _agentic(model: Path, cache_bytes: int, out: Path) -> dict:
     stats = llm.stats()
     make_prefix_trace.write_trace(realized, out)
     with contextlib.redirect_stdout(io.StringIO()):  # the engine's pool, its block count and size
-        replay = replay_prefix_trace.main([str(out), "--model-config", str(model), "--budget-bytes", "0",
-                                           "--pool-blocks", str(stats["cache_blocks"] + 1)])
+        replay = replay_prefix_trace.main(
+            [
+                str(out),
+                "--model-config",
+                str(model),
+                "--budget-bytes",
+                "0",
+                "--pool-blocks",
+                str(stats["cache_blocks"] + 1),
+            ]
+        )
     if replay["budget"]["block_bytes"] != stats["cache_block_bytes"]:
         raise RuntimeError("the replay's block size differs from the engine's: compare like with like")
     return {
-        "requests": len(realized), "engine_hit_rate": stats["hit_rate"], "replay_hit_rate": replay["token_hit_rate"],
-        "engine_tokens_lost": stats["tokens_lost_for_want_of_checkpoint"], "replay_tokens_lost": replay["lost_tokens"],
+        "requests": len(realized),
+        "engine_hit_rate": stats["hit_rate"],
+        "replay_hit_rate": replay["token_hit_rate"],
+        "engine_tokens_lost": stats["tokens_lost_for_want_of_checkpoint"],
+        "replay_tokens_lost": replay["lost_tokens"],
         "cache_blocks": stats["cache_blocks"],
     }
 
@@ -138,15 +177,19 @@ def _short_prefix(model: Path) -> list[int]:
     llm = LLM(model, compilation_cache_dir=None, **ENGINE)
     vocab = llm.engine.model_config.vocab_size
     prefix = _tokens(200, 5, vocab)
-    return [llm.generate([prefix + _tokens(10, 50 + i, vocab)], GREEDY, use_tqdm=False)[0].num_cached_tokens for i in range(4)]
+    return [
+        llm.generate([prefix + _tokens(10, 50 + i, vocab)], GREEDY, use_tqdm=False)[0].num_cached_tokens
+        for i in range(4)
+    ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="bench_prefix_cache.json")
     parser.add_argument("--questions", type=int, default=64)
-    parser.add_argument("--cache-mib", type=float, nargs="+", default=[8, 24],
-                        help="cache pool sizes for the conversations workload")
+    parser.add_argument(
+        "--cache-mib", type=float, nargs="+", default=[8, 24], help="cache pool sizes for the conversations workload"
+    )
     parser.add_argument("--workloads", default="system-prompt,short-prefix,conversations,agentic")
     args = parser.parse_args()
     workloads = set(args.workloads.split(","))
@@ -157,19 +200,25 @@ def main() -> None:
         "engine": ENGINE,
     }
     with tempfile.TemporaryDirectory() as tmp:
-        models = {"hybrid (Bamba)": DEFAULT_MODEL, "transformer (Llama)": _llama_like(DEFAULT_MODEL, Path(tmp) / "llama")}
+        models = {
+            "hybrid (Bamba)": DEFAULT_MODEL,
+            "transformer (Llama)": _llama_like(DEFAULT_MODEL, Path(tmp) / "llama"),
+        }
         for name, path in models.items():
             if "system-prompt" not in workloads:
                 break
             off = _system_prompt(path, False, args.questions)
             on = _system_prompt(path, True, args.questions)
             results[f"system_prompt/{name}"] = {
-                "off": off, "on": on,
+                "off": off,
+                "on": on,
                 "ttft_ratio": off["ttft_mean_s"] / on["ttft_mean_s"],
                 "throughput_ratio": on["output_tokens_per_s"] / off["output_tokens_per_s"],
             }
             print(f"{name}: shared 1984-token system prompt, {args.questions} questions")
-            print(f"  TTFT mean off {off['ttft_mean_s']:.3f}s  on {on['ttft_mean_s']:.3f}s  ratio {off['ttft_mean_s'] / on['ttft_mean_s']:.1f}x")
+            print(
+                f"  TTFT mean off {off['ttft_mean_s']:.3f}s  on {on['ttft_mean_s']:.3f}s  ratio {off['ttft_mean_s'] / on['ttft_mean_s']:.1f}x"
+            )
             print(f"  output tok/s off {off['output_tokens_per_s']:.1f}  on {on['output_tokens_per_s']:.1f}")
         for name, path in models.items():
             if "short-prefix" in workloads:
@@ -182,15 +231,21 @@ def main() -> None:
                         continue  # retention only concerns recurrent-state checkpoints
                     row = _conversations(path, interval, int(mib * 2**20))
                     results[f"conversations/{mib:g}MiB/{retention}/{name}"] = row
-                    print(f"conversations {mib:g} MiB {retention:<10} {name:<20} hit rate {row['hit_rate']:.3f}  "
-                          f"pages {row['kv_page_bytes_held'] / 2**20:.1f} MiB, checkpoints "
-                          f"{row['checkpoint_bytes_held'] / 2**20:.1f} MiB ({row['checkpoints_held']})", flush=True)
+                    print(
+                        f"conversations {mib:g} MiB {retention:<10} {name:<20} hit rate {row['hit_rate']:.3f}  "
+                        f"pages {row['kv_page_bytes_held'] / 2**20:.1f} MiB, checkpoints "
+                        f"{row['checkpoint_bytes_held'] / 2**20:.1f} MiB ({row['checkpoints_held']})",
+                        flush=True,
+                    )
         for mib in args.cache_mib if "agentic" in workloads else ():
             row = _agentic(DEFAULT_MODEL, int(mib * 2**20), Path(tmp) / f"agentic-{mib:g}.jsonl")
             results[f"agentic/{mib:g}MiB"] = row
-            print(f"agentic {mib:g} MiB, {row['requests']} requests: hit rate engine {row['engine_hit_rate']:.3f} "
-                  f"replay {row['replay_hit_rate']:.3f}; lost for want of a checkpoint engine "
-                  f"{row['engine_tokens_lost']} replay {row['replay_tokens_lost']} tokens", flush=True)
+            print(
+                f"agentic {mib:g} MiB, {row['requests']} requests: hit rate engine {row['engine_hit_rate']:.3f} "
+                f"replay {row['replay_hit_rate']:.3f}; lost for want of a checkpoint engine "
+                f"{row['engine_tokens_lost']} replay {row['replay_tokens_lost']} tokens",
+                flush=True,
+            )
     Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
 

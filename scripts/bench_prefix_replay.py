@@ -55,15 +55,57 @@ GB = 1e9
 MOONCAKE_BUDGETS = [5, 10, 20, 40, 80]
 SYNTHETIC = {  # name -> (make_prefix_trace arguments, budgets in GB)
     "agentic": (["agentic", "--sessions", "64", "--max-active", "32"], [1, 2, 4, 8]),
-    "agentic-long-spec": (["agentic", "--sessions", "128", "--max-active", "64", "--tool-spec-tokens", "4000",
-                           "--turns", "5", "15", "--seed", "3"], [1, 2, 4, 8]),
-    "conversations": (["conversations", "--conversations", "40", "--turns", "6", "--system-tokens", "0",
-                       "--first-message-tokens", "512", "512", "--message-tokens", "64", "64",
-                       "--output-tokens", "64", "64", "--max-active", "37"], [1, 2, 4, 8]),
+    "agentic-long-spec": (
+        [
+            "agentic",
+            "--sessions",
+            "128",
+            "--max-active",
+            "64",
+            "--tool-spec-tokens",
+            "4000",
+            "--turns",
+            "5",
+            "15",
+            "--seed",
+            "3",
+        ],
+        [1, 2, 4, 8],
+    ),
+    "conversations": (
+        [
+            "conversations",
+            "--conversations",
+            "40",
+            "--turns",
+            "6",
+            "--system-tokens",
+            "0",
+            "--first-message-tokens",
+            "512",
+            "512",
+            "--message-tokens",
+            "64",
+            "64",
+            "--output-tokens",
+            "64",
+            "64",
+            "--max-active",
+            "37",
+        ],
+        [1, 2, 4, 8],
+    ),
     "few-shot": (["few-shot", "--instruction-tokens", "1536"], [0.25, 0.5, 1, 2]),
 }
-DEFAULT_TRACES = ["mooncake-conv-0/20", "mooncake-conv-1/20", "mooncake-conv-0/10", "mooncake-synth-0/10",
-                  "mooncake-synth-1/10", "mooncake-synth-0/5", *SYNTHETIC]
+DEFAULT_TRACES = [
+    "mooncake-conv-0/20",
+    "mooncake-conv-1/20",
+    "mooncake-conv-0/10",
+    "mooncake-synth-0/10",
+    "mooncake-synth-1/10",
+    "mooncake-synth-0/5",
+    *SYNTHETIC,
+]
 MOONCAKE_FILES = {"conv": "conversation_trace.jsonl", "synth": "synthetic_trace.jsonl"}
 
 
@@ -88,10 +130,17 @@ def load(name: str, mooncake_dir: Path | None, out_dir: Path) -> tuple[Path, lis
 
 def marconi(radix_cache, requests: list, budget: float, version: int, cfg) -> float:
     """Token hit rate of Marconi's simulator (its own replay loop) on `requests`."""
-    tree = radix_cache(capacity_bytes=budget, evict_policy_version=version, eff_weight=0.0, use_logical_ts=True,
-                       num_ssm_layers=cfg.num_recurrent_layers, num_attn_layers=cfg.num_attention_layers,
-                       num_mlp_layers=sum(layer.ffn is not None for layer in cfg.layers), d=cfg.hidden_size,
-                       n=cfg.mamba.state_size)
+    tree = radix_cache(
+        capacity_bytes=budget,
+        evict_policy_version=version,
+        eff_weight=0.0,
+        use_logical_ts=True,
+        num_ssm_layers=cfg.num_recurrent_layers,
+        num_attn_layers=cfg.num_attention_layers,
+        num_mlp_layers=sum(layer.ffn is not None for layer in cfg.layers),
+        d=cfg.hidden_size,
+        n=cfg.mamba.state_size,
+    )
     with contextlib.redirect_stdout(io.StringIO()):
         for i, r in enumerate(requests):
             tree.match_prefix(r.input_tokens)
@@ -102,7 +151,16 @@ def marconi(radix_cache, requests: list, budget: float, version: int, cfg) -> fl
 def run_trace(name: str, path: Path, fmt: list[str], budgets: list[float], model_config: Path, radix_cache) -> dict:
     parser = argparse.ArgumentParser()
     replay_prefix_trace.add_trace_arguments(parser)
-    common = [str(path), *fmt, "--model-config", str(model_config), "--kv-dtype", "bfloat16", "--state-dtype", "bfloat16"]
+    common = [
+        str(path),
+        *fmt,
+        "--model-config",
+        str(model_config),
+        "--kv-dtype",
+        "bfloat16",
+        "--state-dtype",
+        "bfloat16",
+    ]
     requests, cfg, _ = replay_prefix_trace.trace_and_sizes(parser, parser.parse_args([*common, "--budget-bytes", "0"]))
     num_input = sum(len(r.input_tokens) for r in requests)
     longest = max(len(r.input_tokens) + len(r.output_tokens) for r in requests)
@@ -116,10 +174,14 @@ def run_trace(name: str, path: Path, fmt: list[str], budgets: list[float], model
             if retention == "dense":
                 row["lost to want of a checkpoint"] = sched.stats.tokens_lost / num_input
         for eviction, column in (("belady", "clairvoyant"), ("lru", "clairvoyant which, LRU")):
-            hits = clairvoyant_prefix_cache.best_hits(requests, eviction, page_size=16,
-                                                      checkpoint_blocks=s.checkpoint_blocks,
-                                                      page_blocks=1 if s.kv_page_bytes else 0,
-                                                      budget_blocks=s.budget_blocks)
+            hits = clairvoyant_prefix_cache.best_hits(
+                requests,
+                eviction,
+                page_size=16,
+                checkpoint_blocks=s.checkpoint_blocks,
+                page_blocks=1 if s.kv_page_bytes else 0,
+                budget_blocks=s.budget_blocks,
+            )
             row[column] = sum(hits) / num_input
         if radix_cache is not None:
             start = time.perf_counter()
@@ -132,8 +194,13 @@ def run_trace(name: str, path: Path, fmt: list[str], budgets: list[float], model
     monotone = all(b >= a - 0.01 for a, b in zip(hits, hits[1:]))
     if not monotone:
         print(f"{name}: ours loses hits to more memory: {[round(100 * h, 1) for h in hits]}", flush=True)
-    return {"budgets_gb": budgets, "requests": len(requests), "input_tokens": num_input, "rows": rows,
-            "monotone": monotone}
+    return {
+        "budgets_gb": budgets,
+        "requests": len(requests),
+        "input_tokens": num_input,
+        "rows": rows,
+        "monotone": monotone,
+    }
 
 
 def _line(name: str, gb: float, row: dict) -> str:
@@ -150,11 +217,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mooncake-dir", type=Path, help="holds Mooncake's conversation and synthetic traces")
     parser.add_argument("--marconi-dir", type=Path, help="a checkout of ruipeterpan/marconi")
-    parser.add_argument("--traces", nargs="+", help=f"default: {' '.join(DEFAULT_TRACES)} (mooncake ones "
-                        "only with --mooncake-dir)")
+    parser.add_argument(
+        "--traces", nargs="+", help=f"default: {' '.join(DEFAULT_TRACES)} (mooncake ones only with --mooncake-dir)"
+    )
     parser.add_argument("--budgets", type=float, nargs="+", help="GB, for every trace (default: per trace)")
-    parser.add_argument("--model-config", type=Path,
-                        default=Path(__file__).parent.parent / "configs" / "models" / "nemotron-h-7b-shape")
+    parser.add_argument(
+        "--model-config", type=Path, default=Path(__file__).parent.parent / "configs" / "models" / "nemotron-h-7b-shape"
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("bench_replay"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

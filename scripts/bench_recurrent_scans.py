@@ -61,15 +61,33 @@ def scan_times(num_seqs: int, length: int, trials: int) -> tuple[float, float]:
     cu, start, seq, pos = batch(num_seqs, length)
     window = 16  # the reference rows' length
     ssd = best_of(
-        functools.partial(ssd_step, window=window), f32(tokens, HEADS, DIM), jnp.full((tokens, HEADS), 0.05),
-        -jnp.ones(HEADS), f32(tokens, 1, STATE), f32(tokens, 1, STATE), f32(num_seqs, HEADS, DIM, STATE),
-        cu, start, seq, pos, trials=trials,
+        functools.partial(ssd_step, window=window),
+        f32(tokens, HEADS, DIM),
+        jnp.full((tokens, HEADS), 0.05),
+        -jnp.ones(HEADS),
+        f32(tokens, 1, STATE),
+        f32(tokens, 1, STATE),
+        f32(num_seqs, HEADS, DIM, STATE),
+        cu,
+        start,
+        seq,
+        pos,
+        trials=trials,
     )
     unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     gdn = best_of(
-        functools.partial(gated_delta_step, window=window), unit(f32(tokens, KEY_HEADS, DIM)),
-        unit(f32(tokens, KEY_HEADS, DIM)), f32(tokens, HEADS, STATE), jnp.full((tokens, HEADS), -0.05),
-        jnp.full((tokens, HEADS), 0.5), f32(num_seqs, HEADS, DIM, STATE), cu, start, seq, pos, trials=trials,
+        functools.partial(gated_delta_step, window=window),
+        unit(f32(tokens, KEY_HEADS, DIM)),
+        unit(f32(tokens, KEY_HEADS, DIM)),
+        f32(tokens, HEADS, STATE),
+        jnp.full((tokens, HEADS), -0.05),
+        jnp.full((tokens, HEADS), 0.5),
+        f32(num_seqs, HEADS, DIM, STATE),
+        cu,
+        start,
+        seq,
+        pos,
+        trials=trials,
     )
     return ssd / tokens, gdn / tokens
 
@@ -77,12 +95,26 @@ def scan_times(num_seqs: int, length: int, trials: int) -> tuple[float, float]:
 def update_times(num_seqs: int, trials: int) -> tuple[float, float]:
     rng = np.random.default_rng(0)
     f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    ssd = best_of(jax.jit(ssd_state_update), f32(num_seqs, HEADS, DIM, STATE), f32(num_seqs, HEADS, DIM),
-                  jnp.full((num_seqs, HEADS), 0.05), -jnp.ones(HEADS), f32(num_seqs, 1, STATE), f32(num_seqs, 1, STATE),
-                  trials=trials)
-    gdn = best_of(jax.jit(functools.partial(gated_delta_update, scale=DIM**-0.5)), f32(num_seqs, HEADS, DIM, STATE),
-                  f32(num_seqs, KEY_HEADS, DIM), f32(num_seqs, KEY_HEADS, DIM), f32(num_seqs, HEADS, STATE),
-                  jnp.full((num_seqs, HEADS), -0.05), jnp.full((num_seqs, HEADS), 0.5), trials=trials)
+    ssd = best_of(
+        jax.jit(ssd_state_update),
+        f32(num_seqs, HEADS, DIM, STATE),
+        f32(num_seqs, HEADS, DIM),
+        jnp.full((num_seqs, HEADS), 0.05),
+        -jnp.ones(HEADS),
+        f32(num_seqs, 1, STATE),
+        f32(num_seqs, 1, STATE),
+        trials=trials,
+    )
+    gdn = best_of(
+        jax.jit(functools.partial(gated_delta_update, scale=DIM**-0.5)),
+        f32(num_seqs, HEADS, DIM, STATE),
+        f32(num_seqs, KEY_HEADS, DIM),
+        f32(num_seqs, KEY_HEADS, DIM),
+        f32(num_seqs, HEADS, STATE),
+        jnp.full((num_seqs, HEADS), -0.05),
+        jnp.full((num_seqs, HEADS), 0.5),
+        trials=trials,
+    )
     return ssd / num_seqs, gdn / num_seqs
 
 
@@ -93,9 +125,11 @@ def main() -> None:
     print(f"{jax.devices()[0].device_kind}; state per head {DIM} x {STATE}, {HEADS} heads; best of {args.trials}")
     print("| case | SSD scan, us/token | gated delta, us/token | gated delta / SSD |")
     print("| --- | ---: | ---: | ---: |")
-    rows = [("1 x 512 tokens (prefill)", scan_times(1, 512, args.trials)),
-            ("16 x 32 tokens (batched prefill)", scan_times(16, 32, args.trials)),
-            ("16 x 1 token (decode update)", update_times(16, args.trials))]
+    rows = [
+        ("1 x 512 tokens (prefill)", scan_times(1, 512, args.trials)),
+        ("16 x 32 tokens (batched prefill)", scan_times(16, 32, args.trials)),
+        ("16 x 1 token (decode update)", update_times(16, args.trials)),
+    ]
     for name, (ssd, gdn) in rows:
         print(f"| {name} | {ssd * 1e6:.2f} | {gdn * 1e6:.2f} | {gdn / ssd:.2f} |")
 

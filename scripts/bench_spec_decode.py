@@ -70,8 +70,12 @@ METHODS = {
     "mtp-k2-always": {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False},
     # The embedded default model as a draft model (for itself, or for a `--pad-layers` target).
     "draft-default-k3": {"method": "draft_model", "model": str(DEFAULT_MODEL), "num_speculative_tokens": 3},
-    "draft-default-k3-always": {"method": "draft_model", "model": str(DEFAULT_MODEL), "num_speculative_tokens": 3,
-                                "adaptive": False},
+    "draft-default-k3-always": {
+        "method": "draft_model",
+        "model": str(DEFAULT_MODEL),
+        "num_speculative_tokens": 3,
+        "adaptive": False,
+    },
     # No speculation: a second plain engine, whose ratio shows what the measurement itself gives.
     "plain-control": None,
 }
@@ -85,10 +89,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=16)
-    parser.add_argument("--pad-layers", type=int, default=0,
-                        help="serve the model with this many zero-output Mamba2 layers added (see above)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="the engines' max_model_len (default: the engine's own, as a user gets it)")
+    parser.add_argument(
+        "--pad-layers",
+        type=int,
+        default=0,
+        help="serve the model with this many zero-output Mamba2 layers added (see above)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engines' max_model_len (default: the engine's own, as a user gets it)",
+    )
     parser.add_argument("--json", type=Path, default=Path("bench_spec_decode.json"))
     return parser.parse_args()
 
@@ -112,7 +124,7 @@ def padded_model(model_dir: Path, num_layers: int, out_dir: Path) -> Path:
     for i in range(config["num_hidden_layers"], config["num_hidden_layers"] + num_layers):
         for name, tensor in [(n, t) for n, t in tensors.items() if n.startswith(prefix)]:
             zero = name.endswith(("mamba.out_proj.weight", "feed_forward.down_proj.weight"))
-            tensors[f"model.layers.{i}.{name[len(prefix):]}"] = np.zeros_like(tensor) if zero else tensor.copy()
+            tensors[f"model.layers.{i}.{name[len(prefix) :]}"] = np.zeros_like(tensor) if zero else tensor.copy()
     config["num_hidden_layers"] += num_layers
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
@@ -145,8 +157,12 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     # No stored steps: on XLA:CPU, steps loaded from files fail once the process compiles
     # others, and the engines here compile different shapes.
-    engine_args = dict(max_num_seqs=max(args.batch_sizes), max_model_len=args.max_model_len, background_compile=False,
-                       compilation_cache_dir=None)
+    engine_args = dict(
+        max_num_seqs=max(args.batch_sizes),
+        max_model_len=args.max_model_len,
+        background_compile=False,
+        compilation_cache_dir=None,
+    )
     plain = LLM(args.model, **engine_args)
     specs = {name: LLM(args.model, speculative_config=METHODS[name], **engine_args) for name in args.methods}
     rows, run = [], 0
@@ -169,17 +185,36 @@ def run(args: argparse.Namespace) -> None:
                 verifies = now.get("spec_verifies", 0) - then.get("spec_verifies", 0)
                 spec = statistics.median(speeds[name])
                 ratio = statistics.median(s / p for s, p in zip(speeds[name], speeds["plain"]))
-                rows.append(dict(batch=batch, sampling=label, method=name, plain_tokens_per_s=base,
-                                 spec_tokens_per_s=spec, ratio=ratio,
-                                 acceptance_rate=accepted / drafted if drafted else 0.0,
-                                 mean_accepted_length=1 + accepted / verifies if verifies else 1.0))
-                print(f"batch {batch:3d} {label:6s} {name:9s} plain {base:8.1f} tok/s  spec {spec:8.1f} tok/s  "
-                      f"ratio {ratio:5.2f}  acceptance {rows[-1]['acceptance_rate']:.2f}  "
-                      f"mean accepted length {rows[-1]['mean_accepted_length']:.2f}")
-    report = dict(date=datetime.date.today().isoformat(), machine=platform.processor() or platform.machine(),
-                  cpus=jax.local_device_count(), jax=jax.__version__, model=str(args.model),
-                  pad_layers=args.pad_layers, max_tokens=args.max_tokens, repeats=args.repeats,
-                  max_model_len=args.max_model_len, methods={m: METHODS[m] for m in specs}, rows=rows)
+                rows.append(
+                    dict(
+                        batch=batch,
+                        sampling=label,
+                        method=name,
+                        plain_tokens_per_s=base,
+                        spec_tokens_per_s=spec,
+                        ratio=ratio,
+                        acceptance_rate=accepted / drafted if drafted else 0.0,
+                        mean_accepted_length=1 + accepted / verifies if verifies else 1.0,
+                    )
+                )
+                print(
+                    f"batch {batch:3d} {label:6s} {name:9s} plain {base:8.1f} tok/s  spec {spec:8.1f} tok/s  "
+                    f"ratio {ratio:5.2f}  acceptance {rows[-1]['acceptance_rate']:.2f}  "
+                    f"mean accepted length {rows[-1]['mean_accepted_length']:.2f}"
+                )
+    report = dict(
+        date=datetime.date.today().isoformat(),
+        machine=platform.processor() or platform.machine(),
+        cpus=jax.local_device_count(),
+        jax=jax.__version__,
+        model=str(args.model),
+        pad_layers=args.pad_layers,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        max_model_len=args.max_model_len,
+        methods={m: METHODS[m] for m in specs},
+        rows=rows,
+    )
     args.json.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
 
@@ -190,15 +225,33 @@ def run_each_method_alone(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.methods:
             out = Path(tmp) / f"{name}.json"
-            command = [sys.executable, __file__, "--model", str(args.model), "--methods", name, "--batch-sizes",
-                       *map(str, args.batch_sizes), "--max-tokens", str(args.max_tokens), "--repeats",
-                       str(args.repeats), "--pad-layers", str(args.pad_layers), "--json", str(out)]
+            command = [
+                sys.executable,
+                __file__,
+                "--model",
+                str(args.model),
+                "--methods",
+                name,
+                "--batch-sizes",
+                *map(str, args.batch_sizes),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--repeats",
+                str(args.repeats),
+                "--pad-layers",
+                str(args.pad_layers),
+                "--json",
+                str(out),
+            ]
             if args.max_model_len is not None:
                 command += ["--max-model-len", str(args.max_model_len)]
             subprocess.run(command, check=True)
             reports.append(json.loads(out.read_text()))
-    merged = {**reports[0], "methods": {m: METHODS[m] for m in args.methods},
-              "rows": [row for report in reports for row in report["rows"]]}
+    merged = {
+        **reports[0],
+        "methods": {m: METHODS[m] for m in args.methods},
+        "rows": [row for report in reports for row in report["rows"]],
+    }
     args.json.write_text(json.dumps(merged, indent=2))
     print(f"wrote {args.json}")
 

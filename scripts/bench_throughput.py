@@ -111,12 +111,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per framework and batch size (median kept)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads for both")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="jaxengine's token budget per step")
-    parser.add_argument("--max-model-len", nargs="+", default=["default"],
-                        help="jaxengine's max_model_len, one table row each: 'default' (what a user gets, the model's "
-                             "max_position_embeddings up to 4096) or a number of tokens")
-    parser.add_argument("--retention", default="auto",
-                        help="jaxengine's prefix_cache_retention_interval: auto (the default: dense for this "
-                             "hybrid), dense, sparse or a number of tokens")
+    parser.add_argument(
+        "--max-model-len",
+        nargs="+",
+        default=["default"],
+        help="jaxengine's max_model_len, one table row each: 'default' (what a user gets, the model's "
+        "max_position_embeddings up to 4096) or a number of tokens",
+    )
+    parser.add_argument(
+        "--retention",
+        default="auto",
+        help="jaxengine's prefix_cache_retention_interval: auto (the default: dense for this "
+        "hybrid), dense, sparse or a number of tokens",
+    )
     parser.add_argument("--no-prefix-caching", action="store_true", help="run jaxengine with prefix caching off")
     parser.add_argument("--json", type=Path, default=Path("bench_throughput.json"))
     return parser.parse_args()
@@ -435,15 +442,26 @@ def run(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         )
         resolved = llm.engine.max_model_len
         shapes = len(llm.engine.shapes())
-        print(f"max_model_len {max_model_len} ({resolved}): jaxengine compiled {shapes} step shapes in "
-              f"{llm.engine.compile_seconds:.1f} s")
-        compiles.append({"max_model_len": max_model_len, "resolved": resolved, "step_shapes": shapes,
-                         "compile_s": llm.engine.compile_seconds, "cache_stats": llm.stats()})
+        print(
+            f"max_model_len {max_model_len} ({resolved}): jaxengine compiled {shapes} step shapes in "
+            f"{llm.engine.compile_seconds:.1f} s"
+        )
+        compiles.append(
+            {
+                "max_model_len": max_model_len,
+                "resolved": resolved,
+                "step_shapes": shapes,
+                "compile_s": llm.engine.compile_seconds,
+                "cache_stats": llm.stats(),
+            }
+        )
         for batch in args.batch_sizes:
             result = bench_batch(llm, model, batch, args.prompt_len, args.max_tokens, args.repeats)
             add_floor(result, floor_s)
             result["max_model_len"] = f"{resolved}" + (" (default)" if max_model_len == "default" else "")
-            print(f"max_model_len {resolved}, batch {batch}: jaxengine / transformers = {result['throughput_ratio']:.2f}x")
+            print(
+                f"max_model_len {resolved}, batch {batch}: jaxengine / transformers = {result['throughput_ratio']:.2f}x"
+            )
             results.append(result)
         retention = llm.stats()["prefix_cache_retention_interval"]
         del llm

@@ -34,8 +34,11 @@ def step_ms(llm: LLM, shape: Shape, drafting: bool, runs: int = 30, speculating:
     engine = llm.engine
     batch, sampling = engine.builder.empty(shape)
     speculating = drafting if speculating is None else speculating
-    sampling = dataclasses.replace(sampling, wants_drafts=np.full_like(sampling.wants_drafts, drafting),
-                                   speculates=np.full_like(sampling.speculates, speculating))
+    sampling = dataclasses.replace(
+        sampling,
+        wants_drafts=np.full_like(sampling.wants_drafts, drafting),
+        speculates=np.full_like(sampling.speculates, speculating),
+    )
     executable = engine.runner.executable(batch, sampling, decode=shape.decode)
     times = []
     for _ in range(runs):
@@ -52,12 +55,17 @@ def mixed_ms(engines: list[LLM], num_tokens: int, num_seqs: int, runs: int = 60)
     steps = []
     for llm in engines:
         engine = llm.engine
-        shape = next(s for s in engine.shapes()
-                     if not s.decode and not s.runs_drafter
-                     and (s.num_tokens, s.num_seqs, s.sample_width) == (num_tokens, num_seqs, 1))
+        shape = next(
+            s
+            for s in engine.shapes()
+            if not s.decode
+            and not s.runs_drafter
+            and (s.num_tokens, s.num_seqs, s.sample_width) == (num_tokens, num_seqs, 1)
+        )
         batch, sampling = engine.builder.empty(shape)
-        sampling = dataclasses.replace(sampling, temperature=np.full_like(sampling.temperature, 0.7),
-                                       top_p=np.full_like(sampling.top_p, 0.95))
+        sampling = dataclasses.replace(
+            sampling, temperature=np.full_like(sampling.temperature, 0.7), top_p=np.full_like(sampling.top_p, 0.95)
+        )
         steps.append((engine.runner, engine.runner.executable(batch, sampling, decode=False), batch, sampling))
     times = [[] for _ in engines]
     for i in range(runs):
@@ -76,20 +84,26 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--mixed-tokens", type=int, default=None, help="also time mixed steps of this many tokens")
     args = parser.parse_args()
-    engine_args = dict(max_model_len=512, max_num_seqs=max(args.batch_sizes), warm_up=False,
-                       compilation_cache_dir=None)
+    engine_args = dict(max_model_len=512, max_num_seqs=max(args.batch_sizes), warm_up=False, compilation_cache_dir=None)
     plain = LLM(DEFAULT_MODEL, **engine_args)
     ngram = LLM(DEFAULT_MODEL, speculative_config={"method": "ngram", "num_speculative_tokens": args.k}, **engine_args)
     mtp = LLM(DEFAULT_MODEL, speculative_config={"method": "mtp", "num_speculative_tokens": args.k}, **engine_args)
-    print("seqs | plain decode | ngram verify | MTP decode, none speculating | MTP decode | MTP decode, drafting "
-          "| MTP verify, drafting (ms)")
+    print(
+        "seqs | plain decode | ngram verify | MTP decode, none speculating | MTP decode | MTP decode, drafting "
+        "| MTP verify, drafting (ms)"
+    )
     for n in args.batch_sizes:
         decode = next(s for s in plain.engine.shapes() if s.decode and s.num_seqs == n and s.sample_width == 1)
         verify = next(s for s in mtp.engine.shapes() if s.decode and s.num_seqs == n and s.sample_width > 1)
         with_module = dataclasses.replace(decode, runs_drafter=True)
-        times = (step_ms(plain, decode, False), step_ms(ngram, verify, False), step_ms(mtp, decode, False),
-                 step_ms(mtp, with_module, False, speculating=True), step_ms(mtp, with_module, True),
-                 step_ms(mtp, verify, True))
+        times = (
+            step_ms(plain, decode, False),
+            step_ms(ngram, verify, False),
+            step_ms(mtp, decode, False),
+            step_ms(mtp, with_module, False, speculating=True),
+            step_ms(mtp, with_module, True),
+            step_ms(mtp, verify, True),
+        )
         print(f"{n:4d} | " + " | ".join(f"{t:.2f}" for t in times))
     if args.mixed_tokens:
         print(f"seqs | plain mixed step, {args.mixed_tokens} tokens | MTP mixed step, no drafts (ms)")

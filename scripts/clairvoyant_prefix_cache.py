@@ -79,8 +79,16 @@ def hit_pages(inputs: Sequence[list[bytes]], stored: Sequence[list[bytes]]) -> l
     return hits
 
 
-def clairvoyant(requests: list, *, page_size: int, checkpoint_blocks: int, page_blocks: int,
-                budget_blocks: int, on_path: bool, eviction: str = "belady") -> list[int]:
+def clairvoyant(
+    requests: list,
+    *,
+    page_size: int,
+    checkpoint_blocks: int,
+    page_blocks: int,
+    budget_blocks: int,
+    on_path: bool,
+    eviction: str = "belady",
+) -> list[int]:
     """Hit tokens of each request under the clairvoyant policy (see the module's docstring).
     `page_blocks` is 1 when pages take cache blocks (the model has attention layers), else 0.
     `on_path`: a hit point's uses are the requests that pass it on the way to their own
@@ -159,18 +167,35 @@ def best_hits(requests: list, eviction: str = "belady", **sizes: int) -> list[in
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     replay_prefix_trace.add_trace_arguments(parser)
-    parser.add_argument("--eviction", choices=["belady", "lru"], default="belady",
-                        help="farthest next use first (the ceiling), or least recently used first")
+    parser.add_argument(
+        "--eviction",
+        choices=["belady", "lru"],
+        default="belady",
+        help="farthest next use first (the ceiling), or least recently used first",
+    )
     args = parser.parse_args(argv)
     requests, cfg, s = replay_prefix_trace.trace_and_sizes(parser, args)
     start = time.perf_counter()
-    hits = best_hits(requests, args.eviction, page_size=args.page_size, checkpoint_blocks=s.checkpoint_blocks,
-                     page_blocks=1 if s.kv_page_bytes else 0, budget_blocks=s.budget_blocks)
+    hits = best_hits(
+        requests,
+        args.eviction,
+        page_size=args.page_size,
+        checkpoint_blocks=s.checkpoint_blocks,
+        page_blocks=1 if s.kv_page_bytes else 0,
+        budget_blocks=s.budget_blocks,
+    )
     num_input = sum(len(r.input_tokens) for r in requests)
-    result = {"requests": len(requests), "input_tokens": num_input, "hit_tokens": sum(hits),
-              "token_hit_rate": sum(hits) / num_input, "seconds": time.perf_counter() - start}
-    print(f"clairvoyant token hit rate: {result['token_hit_rate']:.4f} ({sum(hits)} / {num_input}), "
-          f"{len(requests)} requests, budget {s.budget_blocks} blocks of {s.block_bytes} B")
+    result = {
+        "requests": len(requests),
+        "input_tokens": num_input,
+        "hit_tokens": sum(hits),
+        "token_hit_rate": sum(hits) / num_input,
+        "seconds": time.perf_counter() - start,
+    }
+    print(
+        f"clairvoyant token hit rate: {result['token_hit_rate']:.4f} ({sum(hits)} / {num_input}), "
+        f"{len(requests)} requests, budget {s.budget_blocks} blocks of {s.block_bytes} B"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return result

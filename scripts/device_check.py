@@ -434,8 +434,9 @@ def log(deadline: Deadline, message: str) -> None:
     print(f"[{deadline.elapsed():5.0f} s] {message}", flush=True)
 
 
-def within(deadline: Deadline, seconds: float, part: str, name: str, fn: Callable[..., Row | list[Row]],
-           *args: Any) -> list[Row]:
+def within(
+    deadline: Deadline, seconds: float, part: str, name: str, fn: Callable[..., Row | list[Row]], *args: Any
+) -> list[Row]:
     """`guarded(part, name, fn, *args)` where about `seconds` still fit before the deadline,
     else a skipped row; logged either way."""
     rows = guarded(part, name, fn, *args) if deadline.allows(seconds) else [Row(part, name, SKIPPED)]
@@ -761,8 +762,9 @@ def kernel_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, inter
     cases += [(c, gated_delta_row) for c in plan.gated_delta]
     rows = []
     for case, check in cases:
-        rows += within(deadline, plan.kernel_case_s, "kernels", case.name, check, case, roofline, plan.kernel_repeats,
-                       interpret)
+        rows += within(
+            deadline, plan.kernel_case_s, "kernels", case.name, check, case, roofline, plan.kernel_repeats, interpret
+        )
     return rows
 
 
@@ -899,8 +901,13 @@ def run_engine(model_dir: Path, kernels: str, spec: EngineSpec, tensor_parallel_
 
 # Speculative decoding's verify steps: ngram drafts (host-side, so the row times the verify
 # steps themselves) on prompts that repeat a pattern, drafting at every step.
-VERIFY_CONFIG = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-                 "adaptive": False}
+VERIFY_CONFIG = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+    "adaptive": False,
+}
 
 
 def periodic_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -923,9 +930,17 @@ def verify_row(model_dir: Path, kernels: str, spec: EngineSpec, method: str = "n
 
     config = VERIFY_CONFIG if method == "ngram" else draft_config(model_dir)
 
-    llm = LLM(model_dir, dtype="bfloat16", kernels=kernels, max_model_len=spec.max_model_len,
-              max_num_seqs=spec.decode_batch, max_num_batched_tokens=spec.step_tokens, warm_up=False,
-              compilation_cache_dir=None, speculative_config=config)
+    llm = LLM(
+        model_dir,
+        dtype="bfloat16",
+        kernels=kernels,
+        max_model_len=spec.max_model_len,
+        max_num_seqs=spec.decode_batch,
+        max_num_batched_tokens=spec.step_tokens,
+        warm_up=False,
+        compilation_cache_dir=None,
+        speculative_config=config,
+    )
     engine = llm.engine
     drafter = engine.draft
     params = SamplingParams(max_tokens=spec.decode_tokens, temperature=0.0, ignore_eos=True)
@@ -955,12 +970,24 @@ def verify_row(model_dir: Path, kernels: str, spec: EngineSpec, method: str = "n
     length = 1 + accepted / verifies if verifies else 1.0
     recompiles = engine.runner.num_compiled_steps() - compiled  # drafts depend on the tokens: may be > 0
     return Row(
-        "engine", verify_name(method, spec), "pass" if mismatch <= FIRST_TOKEN_TOL and verifies else "fail",
-        error=mismatch, tol=FIRST_TOKEN_TOL, kernel=speeds[True], reference=speeds[False], unit="tok/s",
+        "engine",
+        verify_name(method, spec),
+        "pass" if mismatch <= FIRST_TOKEN_TOL and verifies else "fail",
+        error=mismatch,
+        tol=FIRST_TOKEN_TOL,
+        kernel=speeds[True],
+        reference=speeds[False],
+        unit="tok/s",
         note=f"k=3 {method}, acceptance {accepted / drafted if drafted else 0:.2f}, mean accepted length {length:.2f}"
-             + (f", {recompiles} steps compiled while timed" if recompiles else ""),
-        details={"config": config, "kernels": kernels, "verifies": verifies, "drafted": drafted,
-                 "accepted": accepted, "recompiles": recompiles},
+        + (f", {recompiles} steps compiled while timed" if recompiles else ""),
+        details={
+            "config": config,
+            "kernels": kernels,
+            "verifies": verifies,
+            "drafted": drafted,
+            "accepted": accepted,
+            "recompiles": recompiles,
+        },
     )
 
 
@@ -1025,10 +1052,15 @@ def tensor_parallel_row(model_dir: Path, kernels: str, spec: EngineSpec, one: En
         return Row("engine", "engine tensor parallel", "skipped (one device)" if not sizes else one)
     run = run_engine(model_dir, kernels, spec, tensor_parallel_size=sizes[0])
     same = first_token_row(run, one)  # tp devices against one
-    return dataclasses.replace(same, name="engine tensor parallel", kernel=run.decode_tokens_per_s,
-                               reference=one.decode_tokens_per_s, unit="tok/s",
-                               note=f"tp{sizes[0]} vs one device: {same.note}; decode tok/s",
-                               details={**same.details, "tensor_parallel_size": sizes[0]})
+    return dataclasses.replace(
+        same,
+        name="engine tensor parallel",
+        kernel=run.decode_tokens_per_s,
+        reference=one.decode_tokens_per_s,
+        unit="tok/s",
+        note=f"tp{sizes[0]} vs one device: {same.note}; decode tok/s",
+        details={**same.details, "tensor_parallel_size": sizes[0]},
+    )
 
 
 def _splits(parallelism: Any, cfg: Any) -> bool:
@@ -1078,8 +1110,9 @@ def engine_report(
     return rows
 
 
-def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, interpret: bool,
-                parts: Sequence[str]) -> list[Row]:
+def engine_rows(
+    plan: Plan, roofline: Roofline | None, deadline: Deadline, interpret: bool, parts: Sequence[str]
+) -> list[Row]:
     """The engine's rows (`engine` in `parts`: decode, prefill, first tokens, tensor
     parallel) and the verify rows (`verify`), all on one random model."""
     spec = plan.engine
@@ -1098,14 +1131,30 @@ def engine_rows(plan: Plan, roofline: Roofline | None, deadline: Deadline, inter
         log(deadline, f"random Bamba saved: {sizes.parameters / 1e6:,.1f}M parameters")
         rows = measured_engine_rows(plan, model_dir, sizes, modes, roofline, deadline, interpret) if measure else []
         for method in methods:
-            rows += within(deadline, plan.engine_mode_s, "engine", verify_name(method, spec), verify_row, model_dir,
-                           modes["auto"], spec, method)
+            rows += within(
+                deadline,
+                plan.engine_mode_s,
+                "engine",
+                verify_name(method, spec),
+                verify_row,
+                model_dir,
+                modes["auto"],
+                spec,
+                method,
+            )
             gc.collect()
     return rows
 
 
-def measured_engine_rows(plan: Plan, model_dir: Path, sizes: ModelSizes, modes: dict[str, str],
-                         roofline: Roofline | None, deadline: Deadline, interpret: bool) -> list[Row]:
+def measured_engine_rows(
+    plan: Plan,
+    model_dir: Path,
+    sizes: ModelSizes,
+    modes: dict[str, str],
+    roofline: Roofline | None,
+    deadline: Deadline,
+    interpret: bool,
+) -> list[Row]:
     """Decode and prefill in both kernel modes, their first tokens compared, and the
     tensor-parallel row."""
     spec = plan.engine
@@ -1126,8 +1175,17 @@ def measured_engine_rows(plan: Plan, model_dir: Path, sizes: ModelSizes, modes: 
     # Interpreted, the GPU kernels cannot run on several CPU devices at once (the
     # interpreter's shared memory is not per device): the references run under tp there.
     tp_mode = "reference" if interpret else "auto"
-    rows += within(deadline, plan.engine_mode_s, "engine", "engine tensor parallel", tensor_parallel_row, model_dir,
-                   modes[tp_mode], spec, runs[tp_mode])
+    rows += within(
+        deadline,
+        plan.engine_mode_s,
+        "engine",
+        "engine tensor parallel",
+        tensor_parallel_row,
+        model_dir,
+        modes[tp_mode],
+        spec,
+        runs[tp_mode],
+    )
     gc.collect()
     return rows
 
@@ -1143,8 +1201,7 @@ def startup_row() -> Row:
     start = time.perf_counter()
     llm = LLM(DEFAULT_MODEL, compilation_cache_dir=None)
     ready = time.perf_counter() - start
-    llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
     first = time.perf_counter() - start
     steps = llm.engine.runner.steps
     steps.wait()
@@ -1152,11 +1209,19 @@ def startup_row() -> Row:
     compiles = sorted(steps.compile_seconds.items(), key=lambda item: -item[1])
     slowest = "; ".join(f"{key} {seconds:.1f} s" for key, seconds in compiles[:3])
     return Row(
-        "startup", STARTUP, "ok", kernel=first, unit="s",
+        "startup",
+        STARTUP,
+        "ok",
+        kernel=first,
+        unit="s",
         note=f"LLM() {ready:.1f} s, 16 tokens out {first:.1f} s, all {len(steps.ready)} shapes {every:.1f} s; "
-             f"slowest (tokens, seqs, saves, decode): {slowest}",
-        details={"ready_s": ready, "first_output_s": first, "all_shapes_s": every,
-                 "compile_seconds": {str(key): seconds for key, seconds in compiles}},
+        f"slowest (tokens, seqs, saves, decode): {slowest}",
+        details={
+            "ready_s": ready,
+            "first_output_s": first,
+            "all_shapes_s": every,
+            "compile_seconds": {str(key): seconds for key, seconds in compiles},
+        },
     )
 
 

@@ -79,9 +79,18 @@ class TokenSource:
         return self.tokens(self.rng.randint(*lengths))
 
 
-def conversations(src: TokenSource, *, num_conversations: int, num_turns: int, system_tokens: int,
-                  first_message_tokens: tuple[int, int], message_tokens: tuple[int, int],
-                  output_tokens: tuple[int, int], order: str, max_active: int | None = None) -> list[Request]:
+def conversations(
+    src: TokenSource,
+    *,
+    num_conversations: int,
+    num_turns: int,
+    system_tokens: int,
+    first_message_tokens: tuple[int, int],
+    message_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+    order: str,
+    max_active: int | None = None,
+) -> list[Request]:
     """Interleaved conversations over one shared system prompt, turns in order within each."""
     system = src.tokens(system_tokens)
     history = [list(system) for _ in range(num_conversations)]
@@ -97,8 +106,9 @@ def conversations(src: TokenSource, *, num_conversations: int, num_turns: int, s
     return requests
 
 
-def _turn_order(rng: random.Random, num_conversations: int, num_turns: int, order: str,
-                max_active: int | None) -> list[int]:
+def _turn_order(
+    rng: random.Random, num_conversations: int, num_turns: int, order: str, max_active: int | None
+) -> list[int]:
     """The session of each request in arrival order. At most `max_active` conversations are
     open at once (all by default); when one ends, the next one opens in its place."""
     waiting = list(range(num_conversations))
@@ -122,16 +132,31 @@ def _turn_order(rng: random.Random, num_conversations: int, num_turns: int, orde
     return sessions
 
 
-def system_prompt(src: TokenSource, *, system_tokens: int, num_questions: int, message_tokens: tuple[int, int],
-                  output_tokens: tuple[int, int]) -> list[Request]:
+def system_prompt(
+    src: TokenSource,
+    *,
+    system_tokens: int,
+    num_questions: int,
+    message_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+) -> list[Request]:
     """One shared system prompt, each question a session of its own."""
     system = src.tokens(system_tokens)
     return [Request(q, 0, system + src.run(message_tokens), src.run(output_tokens)) for q in range(num_questions)]
 
 
-def few_shot(src: TokenSource, *, instruction_tokens: int, num_families: int, tasks_per_family: int,
-             family_tokens: int, task_tokens: int, num_requests: int, message_tokens: tuple[int, int],
-             output_tokens: tuple[int, int]) -> list[Request]:
+def few_shot(
+    src: TokenSource,
+    *,
+    instruction_tokens: int,
+    num_families: int,
+    tasks_per_family: int,
+    family_tokens: int,
+    task_tokens: int,
+    num_requests: int,
+    message_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+) -> list[Request]:
     """Requests over a tree of few-shot prompts: instruction, family examples, task examples."""
     instruction = src.tokens(instruction_tokens)
     families = [instruction + src.tokens(family_tokens) for _ in range(num_families)]
@@ -143,9 +168,17 @@ def few_shot(src: TokenSource, *, instruction_tokens: int, num_families: int, ta
     return requests
 
 
-def agentic(src: TokenSource, *, num_sessions: int, turns: tuple[int, int], tool_spec_tokens: int,
-            task_tokens: tuple[int, int], tool_result_tokens: tuple[int, int], action_tokens: tuple[int, int],
-            max_active: int) -> list[Request]:
+def agentic(
+    src: TokenSource,
+    *,
+    num_sessions: int,
+    turns: tuple[int, int],
+    tool_spec_tokens: int,
+    task_tokens: tuple[int, int],
+    tool_result_tokens: tuple[int, int],
+    action_tokens: tuple[int, int],
+    max_active: int,
+) -> list[Request]:
     """Interleaved agent sessions: tool specification and task, then action and tool result
     per turn; the next request comes from an open session picked at random."""
     spec = src.tokens(tool_spec_tokens)
@@ -199,8 +232,17 @@ def write_mooncake_trace(requests: list[Request], path: Path, block_tokens: int)
             for start in range(0, len(tokens), block_tokens):
                 parent = ids.setdefault((parent, tuple(tokens[start : start + block_tokens])), len(ids))
                 hash_ids.append(parent)
-            f.write(json.dumps({"timestamp": 1000 * i, "input_length": len(tokens),
-                                "output_length": len(request.output_tokens), "hash_ids": hash_ids}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": 1000 * i,
+                        "input_length": len(tokens),
+                        "output_length": len(request.output_tokens),
+                        "hash_ids": hash_ids,
+                    }
+                )
+                + "\n"
+            )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -210,8 +252,13 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--conversations", type=int, default=8)
     conv.add_argument("--turns", type=int, default=6)
     conv.add_argument("--system-tokens", type=int, default=500)
-    conv.add_argument("--first-message-tokens", type=int, nargs=2, metavar=("MIN", "MAX"),
-                      help="the first turn's message (default: --message-tokens)")
+    conv.add_argument(
+        "--first-message-tokens",
+        type=int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        help="the first turn's message (default: --message-tokens)",
+    )
     conv.add_argument("--message-tokens", type=int, nargs=2, default=[100, 300], metavar=("MIN", "MAX"))
     conv.add_argument("--output-tokens", type=int, nargs=2, default=[50, 150], metavar=("MIN", "MAX"))
     conv.add_argument("--order", choices=["round-robin", "random"], default="round-robin")
@@ -242,16 +289,18 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("out", type=Path, help="the JSON Lines file to write")
         sub.add_argument("--seed", type=int, default=0)
         sub.add_argument("--vocab-size", type=int, default=4096)
-        sub.add_argument("--mooncake-blocks", type=int, metavar="N",
-                         help="write Mooncake's format with N-token blocks (see above)")
+        sub.add_argument(
+            "--mooncake-blocks", type=int, metavar="N", help="write Mooncake's format with N-token blocks (see above)"
+        )
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
-    ranges = {f"--{name.replace('_', '-')}": tuple(value) for name, value in vars(args).items()
-              if isinstance(value, list)}
+    ranges = {
+        f"--{name.replace('_', '-')}": tuple(value) for name, value in vars(args).items() if isinstance(value, list)
+    }
     for name, (low, high) in ranges.items():
         if not 0 <= low <= high:
             parser.error(f"{name} needs 0 <= MIN <= MAX, got {low} {high}")
@@ -259,25 +308,50 @@ def main(argv: list[str] | None = None) -> None:
     if args.kind == "agentic":
         if args.turns[0] < 1 or args.sessions < 1 or args.max_active < 1:
             parser.error("--turns MIN, --sessions and --max-active must be >= 1")
-        requests = agentic(src, num_sessions=args.sessions, turns=tuple(args.turns),
-                           tool_spec_tokens=args.tool_spec_tokens, task_tokens=tuple(args.task_tokens),
-                           tool_result_tokens=tuple(args.tool_result_tokens),
-                           action_tokens=tuple(args.action_tokens), max_active=args.max_active)
+        requests = agentic(
+            src,
+            num_sessions=args.sessions,
+            turns=tuple(args.turns),
+            tool_spec_tokens=args.tool_spec_tokens,
+            task_tokens=tuple(args.task_tokens),
+            tool_result_tokens=tuple(args.tool_result_tokens),
+            action_tokens=tuple(args.action_tokens),
+            max_active=args.max_active,
+        )
     elif args.kind == "conversations":
         messages, outputs = tuple(args.message_tokens), tuple(args.output_tokens)
         first = tuple(args.first_message_tokens or messages)
-        requests = conversations(src, num_conversations=args.conversations, num_turns=args.turns,
-                                 system_tokens=args.system_tokens, first_message_tokens=first,
-                                 message_tokens=messages, output_tokens=outputs, order=args.order,
-                                 max_active=args.max_active)
+        requests = conversations(
+            src,
+            num_conversations=args.conversations,
+            num_turns=args.turns,
+            system_tokens=args.system_tokens,
+            first_message_tokens=first,
+            message_tokens=messages,
+            output_tokens=outputs,
+            order=args.order,
+            max_active=args.max_active,
+        )
     elif args.kind == "few-shot":
-        requests = few_shot(src, instruction_tokens=args.instruction_tokens, num_families=args.families,
-                            tasks_per_family=args.tasks_per_family, family_tokens=args.family_tokens,
-                            task_tokens=args.task_tokens, num_requests=args.requests,
-                            message_tokens=tuple(args.message_tokens), output_tokens=tuple(args.output_tokens))
+        requests = few_shot(
+            src,
+            instruction_tokens=args.instruction_tokens,
+            num_families=args.families,
+            tasks_per_family=args.tasks_per_family,
+            family_tokens=args.family_tokens,
+            task_tokens=args.task_tokens,
+            num_requests=args.requests,
+            message_tokens=tuple(args.message_tokens),
+            output_tokens=tuple(args.output_tokens),
+        )
     else:
-        requests = system_prompt(src, system_tokens=args.system_tokens, num_questions=args.questions,
-                                 message_tokens=tuple(args.message_tokens), output_tokens=tuple(args.output_tokens))
+        requests = system_prompt(
+            src,
+            system_tokens=args.system_tokens,
+            num_questions=args.questions,
+            message_tokens=tuple(args.message_tokens),
+            output_tokens=tuple(args.output_tokens),
+        )
     if args.mooncake_blocks is not None:
         if args.mooncake_blocks < 1:
             parser.error(f"--mooncake-blocks must be >= 1, got {args.mooncake_blocks}")

@@ -58,18 +58,30 @@ def sampler_case(max_len: int, context: int, penalties: bool):
     history = np.full((SEQS, max_len), -1, np.int32)
     history[:, :context] = rng.integers(0, VOCAB, (SEQS, context))
     sb = SamplingBatch(
-        temperature=np.zeros(SEQS, np.float32), top_k=np.zeros(SEQS, np.int32), top_p=np.ones(SEQS, np.float32),
-        min_p=np.zeros(SEQS, np.float32), presence_penalty=np.zeros(SEQS, np.float32),
+        temperature=np.zeros(SEQS, np.float32),
+        top_k=np.zeros(SEQS, np.int32),
+        top_p=np.ones(SEQS, np.float32),
+        min_p=np.zeros(SEQS, np.float32),
+        presence_penalty=np.zeros(SEQS, np.float32),
         frequency_penalty=np.zeros(SEQS, np.float32),
         repetition_penalty=np.full(SEQS, 1.1 if penalties else 1.0, np.float32),
-        seeds=np.zeros(SEQS, np.uint32), steps=np.zeros(SEQS, np.int32), history=history,
-        history_lens=np.full(SEQS, context, np.int32), prompt_lens=np.full(SEQS, context // 2, np.int32),
-        banned=np.full((SEQS, MAX_STOP_TOKEN_IDS), -1, np.int32), min_tokens=np.zeros(SEQS, np.int32),
-        wants_logprobs=np.zeros(SEQS, bool), bias_ids=np.full((SEQS, 1), -1, np.int32),
-        bias_values=np.zeros((SEQS, 1), np.float32), allowed_ids=np.full((SEQS, 1), -1, np.int32),
-        bad_ids=np.full((SEQS, 1), -1, np.int32), sample_rows=np.arange(SEQS, dtype=np.int32)[:, None],
-        num_drafts=np.zeros(SEQS, np.int32), next_ids=np.full(SEQS, -1, np.int32),
-        following_ids=np.full(SEQS, -1, np.int32), wants_drafts=np.zeros(SEQS, bool),
+        seeds=np.zeros(SEQS, np.uint32),
+        steps=np.zeros(SEQS, np.int32),
+        history=history,
+        history_lens=np.full(SEQS, context, np.int32),
+        prompt_lens=np.full(SEQS, context // 2, np.int32),
+        banned=np.full((SEQS, MAX_STOP_TOKEN_IDS), -1, np.int32),
+        min_tokens=np.zeros(SEQS, np.int32),
+        wants_logprobs=np.zeros(SEQS, bool),
+        bias_ids=np.full((SEQS, 1), -1, np.int32),
+        bias_values=np.zeros((SEQS, 1), np.float32),
+        allowed_ids=np.full((SEQS, 1), -1, np.int32),
+        bad_ids=np.full((SEQS, 1), -1, np.int32),
+        sample_rows=np.arange(SEQS, dtype=np.int32)[:, None],
+        num_drafts=np.zeros(SEQS, np.int32),
+        next_ids=np.full(SEQS, -1, np.int32),
+        following_ids=np.full(SEQS, -1, np.int32),
+        wants_drafts=np.zeros(SEQS, bool),
         speculates=np.zeros(SEQS, bool),
     )
     logits = jnp.asarray(rng.standard_normal((SEQS, VOCAB)), jnp.float32)
@@ -77,8 +89,14 @@ def sampler_case(max_len: int, context: int, penalties: bool):
 
 
 def host_build_s(max_len: int, context: int) -> float:
-    builder = BatchBuilder(max_num_batched_tokens=512, max_num_seqs=SEQS, max_model_len=max_len, page_size=PAGE,
-                           eos_token_ids=(0,), vocab_size=VOCAB)
+    builder = BatchBuilder(
+        max_num_batched_tokens=512,
+        max_num_seqs=SEQS,
+        max_model_len=max_len,
+        page_size=PAGE,
+        eos_token_ids=(0,),
+        vocab_size=VOCAB,
+    )
     seqs = []
     for i in range(SEQS):
         seq = Sequence(str(i), i, list(range(1, context + 1)), context - 64, SamplingParams(max_tokens=64), seed=i)
@@ -108,7 +126,9 @@ def main() -> None:
         plain = best_of(plain_fn, *plain_args)
         penalised = best_of(pen_fn, *pen_args)
         host = host_build_s(max_len, args.context)
-        print(f"| {max_len:>13} | {attention * 1e3:.3f} | {plain * 1e3:.3f} | {penalised * 1e3:.3f} | {host * 1e3:.3f} |")
+        print(
+            f"| {max_len:>13} | {attention * 1e3:.3f} | {plain * 1e3:.3f} | {penalised * 1e3:.3f} | {host * 1e3:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -136,15 +136,19 @@ def load_mooncake(path: Path, block_tokens: int, replica: tuple[int, int] | None
 def _check_mooncake(record: dict, where: str, block_tokens: int) -> dict:
     for field in ("input_length", "output_length"):
         if not isinstance(record.get(field), int) or record[field] < (field == "input_length"):
-            raise ValueError(f"{where}: '{field}' must be a {'positive' if field == 'input_length' else 'non-negative'} "
-                             f"integer, got {record.get(field)!r}")
+            raise ValueError(
+                f"{where}: '{field}' must be a {'positive' if field == 'input_length' else 'non-negative'} "
+                f"integer, got {record.get(field)!r}"
+            )
     ids = record.get("hash_ids")
     if not isinstance(ids, list) or not all(isinstance(h, int) and h >= 0 for h in ids):
         raise ValueError(f"{where}: 'hash_ids' must be a list of non-negative integers")
     if len(ids) != math.ceil(record["input_length"] / block_tokens):
-        raise ValueError(f"{where}: {len(ids)} hash_ids for input_length={record['input_length']}, but blocks of "
-                         f"{block_tokens} tokens need {math.ceil(record['input_length'] / block_tokens)} "
-                         f"(is --block-tokens right?)")
+        raise ValueError(
+            f"{where}: {len(ids)} hash_ids for input_length={record['input_length']}, but blocks of "
+            f"{block_tokens} tokens need {math.ceil(record['input_length'] / block_tokens)} "
+            f"(is --block-tokens right?)"
+        )
     return record
 
 
@@ -163,15 +167,18 @@ def _parse_request(record: dict, where: str) -> TraceRequest:
     for field in ("input_tokens", "output_tokens"):
         tokens = record.get(field)
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise ValueError(f"{where}: '{field}' must be a list of token ids (a trace with token counts only "
-                             f"cannot be replayed: hits depend on the tokens)")
+            raise ValueError(
+                f"{where}: '{field}' must be a list of token ids (a trace with token counts only "
+                f"cannot be replayed: hits depend on the tokens)"
+            )
         count = record.get(f"num_{field}")
         if count is not None and count != len(tokens):
             raise ValueError(f"{where}: num_{field}={count} but {field} holds {len(tokens)} tokens")
     if not record["input_tokens"]:
         raise ValueError(f"{where}: input_tokens is empty")
-    return TraceRequest(record.get("session_id", -1), record.get("turn_id", -1), record["input_tokens"],
-                        record["output_tokens"])
+    return TraceRequest(
+        record.get("session_id", -1), record.get("turn_id", -1), record["input_tokens"], record["output_tokens"]
+    )
 
 
 def read_model_config(path: Path) -> ModelConfig:
@@ -193,7 +200,9 @@ def parse_retention(text: str, page_size: int) -> int | None:
         if interval > 0:
             checkpoint_policy.validate_interval(interval, page_size)
             return interval
-    raise ValueError(f"--retention must be dense, sparse or every=N (N a positive multiple of the page size), got {text!r}")
+    raise ValueError(
+        f"--retention must be dense, sparse or every=N (N a positive multiple of the page size), got {text!r}"
+    )
 
 
 # ---------------------------------------------------------------------- sizes
@@ -218,8 +227,9 @@ def num_weights(cfg: ModelConfig) -> int:
     return sum(leaf.size for leaf in jax.tree.leaves(nnx.state(abstract_model(cfg, jnp.float32))))
 
 
-def sizes(cfg: ModelConfig, budget_bytes: int, page_size: int, kv_bytes: int, state_bytes: int,
-          longest_request: int) -> Sizes:
+def sizes(
+    cfg: ModelConfig, budget_bytes: int, page_size: int, kv_bytes: int, state_bytes: int, longest_request: int
+) -> Sizes:
     page = kv_page_bytes(cfg, page_size, kv_bytes)
     ckpt = checkpoint_bytes(cfg, state_bytes, kv_bytes)
     block = page or ckpt
@@ -246,11 +256,22 @@ def build_scheduler(cfg: ModelConfig, s: Sizes, page_size: int, retention: int |
         checkpoint_bytes=s.checkpoint_blocks * s.block_bytes,
     )
     pool = BlockPool(1 + s.budget_blocks + s.live_blocks)
-    cache = PrefixCache(pool, page_size=page_size, has_kv=bool(s.kv_page_bytes), checkpoint_blocks=s.checkpoint_blocks,
-                        value=costs.value_fn())
+    cache = PrefixCache(
+        pool,
+        page_size=page_size,
+        has_kv=bool(s.kv_page_bytes),
+        checkpoint_blocks=s.checkpoint_blocks,
+        value=costs.value_fn(),
+    )
     slots = LiveSlots(LIVE_SLOTS) if s.checkpoint_bytes else None
-    return Scheduler(max_num_seqs=1, max_num_batched_tokens=MAX_BATCHED_TOKENS, page_size=page_size, cache=cache,
-                     slots=slots, retention_interval=retention)
+    return Scheduler(
+        max_num_seqs=1,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        page_size=page_size,
+        cache=cache,
+        slots=slots,
+        retention_interval=retention,
+    )
 
 
 def replay_request(sched: Scheduler, request: TraceRequest, index: int) -> int:
@@ -330,22 +351,24 @@ def summary(requests: list[TraceRequest], hits: list[int], sched: Scheduler, s: 
 def format_report(result: dict) -> str:
     """The human-readable lines printed after a replay."""
     b, kv, ssm, s = result["budget"], result["kv"], result["ssm"], result["settings"]
-    return "\n".join([
-        f"trace {s['trace']}: {result['requests']} requests, {result['input_tokens']} input tokens",
-        f"model {s['architecture']}: {s['attention_layers']} attention + {s['recurrent_layers']} recurrent layers; "
-        f"page {s['page_size']} tokens = {kv['page_bytes']} B, one checkpoint = {ssm['checkpoint_bytes']} B "
-        f"({ssm['checkpoint_blocks']} blocks of {b['block_bytes']} B)",
-        f"budget {b['budget_bytes']:.4g} B ({b['budget_blocks']} blocks) for KV pages and checkpoints together; "
-        f"outside it: the running request's {b['live_blocks']} blocks and {b['live_slots']} live state slots",
-        f"retention {s['retention']}",
-        f"token hit rate: {result['token_hit_rate']:.4f} ({result['hit_tokens']} / {result['input_tokens']}); "
-        f"lost for want of a checkpoint: {result['lost_tokens']} tokens",
-        f"held at the end: KV pages {kv['bytes_held']} B ({kv['pages_held']} pages), "
-        f"checkpoints {ssm['bytes_held']} B ({ssm['checkpoints_held']})",
-        f"evictions: KV pages {kv['evictions']}, checkpoints {ssm['evictions']}; checkpoints written "
-        f"{ssm['written']}, skipped for want of room {ssm['skipped']}",
-        f"replayed in {s['seconds']:.2f} s",
-    ])
+    return "\n".join(
+        [
+            f"trace {s['trace']}: {result['requests']} requests, {result['input_tokens']} input tokens",
+            f"model {s['architecture']}: {s['attention_layers']} attention + {s['recurrent_layers']} recurrent layers; "
+            f"page {s['page_size']} tokens = {kv['page_bytes']} B, one checkpoint = {ssm['checkpoint_bytes']} B "
+            f"({ssm['checkpoint_blocks']} blocks of {b['block_bytes']} B)",
+            f"budget {b['budget_bytes']:.4g} B ({b['budget_blocks']} blocks) for KV pages and checkpoints together; "
+            f"outside it: the running request's {b['live_blocks']} blocks and {b['live_slots']} live state slots",
+            f"retention {s['retention']}",
+            f"token hit rate: {result['token_hit_rate']:.4f} ({result['hit_tokens']} / {result['input_tokens']}); "
+            f"lost for want of a checkpoint: {result['lost_tokens']} tokens",
+            f"held at the end: KV pages {kv['bytes_held']} B ({kv['pages_held']} pages), "
+            f"checkpoints {ssm['bytes_held']} B ({ssm['checkpoints_held']})",
+            f"evictions: KV pages {kv['evictions']}, checkpoints {ssm['evictions']}; checkpoints written "
+            f"{ssm['written']}, skipped for want of room {ssm['skipped']}",
+            f"replayed in {s['seconds']:.2f} s",
+        ]
+    )
 
 
 # ---------------------------------------------------------------------- command line
@@ -354,8 +377,12 @@ def format_report(result: dict) -> str:
 def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     """The trace, model and budget arguments (shared with `clairvoyant_prefix_cache.py`)."""
     parser.add_argument("trace", type=Path, help="JSON Lines trace")
-    parser.add_argument("--format", choices=["tokens", "mooncake"], default="tokens",
-                        help="tokens: TRACES.md's format; mooncake: Mooncake's block hashes")
+    parser.add_argument(
+        "--format",
+        choices=["tokens", "mooncake"],
+        default="tokens",
+        help="tokens: TRACES.md's format; mooncake: Mooncake's block hashes",
+    )
     parser.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id (mooncake)")
     parser.add_argument("--replica", help="K/M: the requests replica K of M serves (mooncake)")
     parser.add_argument("--model-config", type=Path, required=True, help="a Hugging Face config.json or its directory")
@@ -366,8 +393,9 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
 
 
-def trace_and_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace
-                    ) -> tuple[list[TraceRequest], ModelConfig, Sizes]:
+def trace_and_sizes(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[TraceRequest], ModelConfig, Sizes]:
     """The trace's requests, the model's config and the block sizes, from the arguments of
     `add_trace_arguments`; a usage error naming the argument when one is wrong."""
     if args.budget_bytes < 0 or args.page_size < 1 or args.block_tokens < 1:
@@ -384,8 +412,9 @@ def trace_and_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace
     except ValueError as e:
         parser.error(str(e))
     longest = max(len(r.input_tokens) + len(r.output_tokens) for r in requests)
-    s = sizes(cfg, int(args.budget_bytes), args.page_size, DTYPE_BYTES[args.kv_dtype], DTYPE_BYTES[args.state_dtype],
-              longest)
+    s = sizes(
+        cfg, int(args.budget_bytes), args.page_size, DTYPE_BYTES[args.kv_dtype], DTYPE_BYTES[args.state_dtype], longest
+    )
     return requests, cfg, s
 
 
@@ -409,11 +438,20 @@ def main(argv: list[str] | None = None) -> dict:
     hits = replay(requests, sched, s)
     result = summary(requests, hits, sched, s)
     result["settings"] = {
-        "trace": str(args.trace), "format": args.format, "block_tokens": args.block_tokens, "replica": args.replica,
-        "model_config": str(args.model_config), "architecture": cfg.architecture,
-        "attention_layers": cfg.num_attention_layers, "recurrent_layers": cfg.num_recurrent_layers,
-        "page_size": args.page_size, "kv_dtype": args.kv_dtype, "state_dtype": args.state_dtype,
-        "retention": args.retention, "retention_interval": retention, "seconds": time.perf_counter() - start,
+        "trace": str(args.trace),
+        "format": args.format,
+        "block_tokens": args.block_tokens,
+        "replica": args.replica,
+        "model_config": str(args.model_config),
+        "architecture": cfg.architecture,
+        "attention_layers": cfg.num_attention_layers,
+        "recurrent_layers": cfg.num_recurrent_layers,
+        "page_size": args.page_size,
+        "kv_dtype": args.kv_dtype,
+        "state_dtype": args.state_dtype,
+        "retention": args.retention,
+        "retention_interval": retention,
+        "seconds": time.perf_counter() - start,
     }
     print(format_report(result))
     if args.json:

@@ -233,7 +233,9 @@ class TrainResult:
 
 
 def train(
-    model: torch.nn.Module, loss_of: Callable[[torch.Tensor], torch.Tensor], windows: torch.Tensor,
+    model: torch.nn.Module,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    windows: torch.Tensor,
     args: argparse.Namespace,
 ) -> TrainResult:
     """Trains the parameters of `model` that require gradients on `loss_of(batch)` until

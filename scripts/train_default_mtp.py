@@ -62,8 +62,12 @@ class MtpModule(torch.nn.Module):
         n = x.shape[1]
         positions = torch.arange(n)[None]
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-        out = self.layers[0](hidden_states=x, attention_mask=mask, position_ids=positions,
-                             position_embeddings=model.model.rotary_emb(x, positions))
+        out = self.layers[0](
+            hidden_states=x,
+            attention_mask=mask,
+            position_ids=positions,
+            position_embeddings=model.model.rotary_emb(x, positions),
+        )
         out = out[0] if isinstance(out, tuple) else out
         return model.lm_head(self.norm(out))
 
@@ -117,7 +121,9 @@ def main() -> None:
 
     mtp.eval()
     with torch.no_grad():
-        results = [mtp_loss(model, mtp, heldout[i : i + args.batch_size]) for i in range(0, len(heldout), args.batch_size)]
+        results = [
+            mtp_loss(model, mtp, heldout[i : i + args.batch_size]) for i in range(0, len(heldout), args.batch_size)
+        ]
     positions = heldout.shape[0] * (heldout.shape[1] - 2)
     heldout_loss = float(np.mean([loss.item() for loss, _ in results]))
     accuracy = float(sum(right.item() for _, right in results)) / positions

@@ -61,8 +61,13 @@ def test_yaml_takes_the_retention_interval(tmp_path, value, want):
 
 
 def test_yaml_takes_vllms_engine_argument_names(tmp_path):
-    cfg = load_run_config(_write(tmp_path, {"engine": {"block_size": 8, "enforce_eager": True, "max_model_len": 64,
-                                                       "trust_remote_code": True}}, LINES))
+    cfg = load_run_config(
+        _write(
+            tmp_path,
+            {"engine": {"block_size": 8, "enforce_eager": True, "max_model_len": 64, "trust_remote_code": True}},
+            LINES,
+        )
+    )
     assert cfg.engine.page_size == 8 and cfg.engine.warm_up is False and cfg.engine.max_model_len == 64
 
 
@@ -82,12 +87,19 @@ def test_the_default_config_is_valid(monkeypatch):
         ({"engine": {"data_parallel_size": 0}}, r"engine argument data_parallel_size must be a positive integer"),
         ({"engine": {"num_nodes": 2}}, r"distributed_init_addr must be process 0's \"host:port\" when num_nodes=2"),
         ({"engine": {"num_nodes": 2, "distributed_init_addr": "h:99999"}}, r"distributed_init_addr must be"),
-        ({"engine": {"num_nodes": 2, "distributed_init_addr": "h:1", "node_rank": 2}},
-         r"engine argument node_rank must be an integer in \[0, num_nodes=2\), got 2"),
+        (
+            {"engine": {"num_nodes": 2, "distributed_init_addr": "h:1", "node_rank": 2}},
+            r"engine argument node_rank must be an integer in \[0, num_nodes=2\), got 2",
+        ),
         ({"engine": {"distributed_init_addr": "h:1"}}, r"distributed_init_addr='h:1' needs num_nodes > 1"),
-        ({"engine": {"num_nodes": 2, "distributed_init_addr": "h:1", "data_parallel_size": 2}},
-         r"data_parallel_size=2 is not supported with num_nodes=2"),
-        ({"engine": {"ssm_retention": "dense"}}, r"engine: key 'ssm_retention' was replaced by prefix_cache_retention_interval"),
+        (
+            {"engine": {"num_nodes": 2, "distributed_init_addr": "h:1", "data_parallel_size": 2}},
+            r"data_parallel_size=2 is not supported with num_nodes=2",
+        ),
+        (
+            {"engine": {"ssm_retention": "dense"}},
+            r"engine: key 'ssm_retention' was replaced by prefix_cache_retention_interval",
+        ),
         ({"engine": {"prefix_cache_retention_interval": 6}}, r"prefix_cache_retention_interval must be None"),
         ({"sampling": {"top_p": 1.5}}, r"SamplingParams.top_p must be a finite number in \(0, 1\]"),
         ({"sampling": {"temprature": 0.5}}, r"sampling: unknown key 'temprature'"),

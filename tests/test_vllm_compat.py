@@ -15,7 +15,7 @@ from jaxengine.run_config import DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
 
-VLLM_SCRIPT = '''
+VLLM_SCRIPT = """
 import os
 
 from vllm import LLM, SamplingParams
@@ -77,7 +77,7 @@ def main():
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
 
 @pytest.mark.slow  # the longest test of the suite; tests/engine/test_vllm_api.py checks the pieces fast

@@ -78,8 +78,14 @@ def describe_interval(interval: int | None) -> str:
 
 
 def plan(
-    start: int, end: int, *, page_size: int, interval: int | None, prefill_boundary: int,
-    junctions: Collection[int] = (), grain: int = 1,
+    start: int,
+    end: int,
+    *,
+    page_size: int,
+    interval: int | None,
+    prefill_boundary: int,
+    junctions: Collection[int] = (),
+    grain: int = 1,
 ) -> list[tuple[int, Kind]]:
     """The checkpoints a step over tokens `(start, end]` of one sequence may write, in order.
 

@@ -195,8 +195,11 @@ class PrefixCache:
             if hit_point.hits and hit_point.node.checkpoints_below > 1 and hit_point.origin != PASSED:
                 return False  # a used checkpoint goes after those below it (see the module's docstring)
             return self.checkpoints.get(hit_point.node.block_hash) is hit_point and hit_point.pins == 0
-        return (self.nodes.get(hit_point.block_hash) is hit_point and hit_point.children == 0
-                and hit_point.block not in self.pool.ref_count)
+        return (
+            self.nodes.get(hit_point.block_hash) is hit_point
+            and hit_point.children == 0
+            and hit_point.block not in self.pool.ref_count
+        )
 
     def _lowest(self) -> Node | Checkpoint | None:
         """The evictable hit point ranked lowest (stale heap entries are dropped)."""
@@ -365,8 +368,9 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def reserve_checkpoint(self, depth: int, origin: int, hits: int, block_hash: bytes | None = None
-                           ) -> list[int] | None:
+    def reserve_checkpoint(
+        self, depth: int, origin: int, hits: int, block_hash: bytes | None = None
+    ) -> list[int] | None:
         """Blocks for a checkpoint at `depth` (the prefix `block_hash` names) that a step will
         write, or None when making room would evict content ranked higher than it. Commit or
         cancel them. A used-class checkpoint left out is remembered as a ghost, evicted at
@@ -443,8 +447,12 @@ class PrefixCache:
     # ------------------------------------------------------------------ eviction
 
     def _is_dead(self, node: Node) -> bool:
-        return (self.recurrent and node.checkpoints_below == 0 and node.children == 0
-                and (not node.block or node.block not in self.pool.ref_count))
+        return (
+            self.recurrent
+            and node.checkpoints_below == 0
+            and node.children == 0
+            and (not node.block or node.block not in self.pool.ref_count)
+        )
 
     def _maybe_dead(self, node: Node) -> None:
         if not self._is_dead(node):
@@ -488,8 +496,12 @@ class PrefixCache:
                     return False
             else:
                 return False
-            self.model.died(victim.node.block_hash if isinstance(victim, Checkpoint) else victim.block_hash,
-                            hit_class(victim.origin, victim.hits), self.now - victim.last_use, self.now)
+            self.model.died(
+                victim.node.block_hash if isinstance(victim, Checkpoint) else victim.block_hash,
+                hit_class(victim.origin, victim.hits),
+                self.now - victim.last_use,
+                self.now,
+            )
             if isinstance(victim, Checkpoint):
                 self._drop_checkpoint(victim)
                 self.counters.checkpoints_evicted += 1
@@ -541,7 +553,9 @@ class PrefixCache:
                 below[n.block_hash] += 1
                 n = n.parent
         for h, node in self.nodes.items():
-            assert node.block_hash == h and (node.parent is None or self.nodes.get(node.parent.block_hash) is node.parent)
+            assert node.block_hash == h and (
+                node.parent is None or self.nodes.get(node.parent.block_hash) is node.parent
+            )
             assert node.children == children[h], "a child count is off"
             assert node.checkpoints_below == below[h], "a checkpoint count is off"
             assert (node in self._dead) == self._is_dead(node), "the dead-page list is off"

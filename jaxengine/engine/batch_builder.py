@@ -73,6 +73,7 @@ def save_buckets(num_seqs: int) -> tuple[int, ...]:
     """0, then powers of four below `num_seqs`, then `num_seqs`: a decode step's save room."""
     return (0, *seq_buckets(num_seqs))
 
+
 def bad_word_bans(output: list[int], words: list[list[int]]) -> list[int]:
     """The tokens the next draw may not be: the last token of each bad word whose other
     tokens end the output so far (a one-token word: always), as vLLM matches them."""
@@ -121,8 +122,9 @@ class BatchBuilder:
         return dict(sample_width=k + 1, num_position_states=s * k if self.recurrent else 0)
 
     def _mixed(self, t: int, s: int, verify: bool, drafter: bool) -> Shape:
-        return Shape(t, s, decode=False, num_saves=self._mixed_saves(t, s), runs_drafter=drafter,
-                     **self._verifying(s, verify))
+        return Shape(
+            t, s, decode=False, num_saves=self._mixed_saves(t, s), runs_drafter=drafter, **self._verifying(s, verify)
+        )
 
     def seq_bucket(self, num_seqs: int) -> int:
         """The sequence bucket a step of `num_seqs` sequences runs in."""
@@ -178,8 +180,9 @@ class BatchBuilder:
         """An all-padding batch of `shape` (used for warm-up): touches only the null sinks."""
         return self.build(ScheduledStep([], []), shape)
 
-    def build(self, step: ScheduledStep, shape: Shape | None = None, *, drafting: bool = False
-              ) -> tuple[StepBatch, SamplingBatch]:
+    def build(
+        self, step: ScheduledStep, shape: Shape | None = None, *, drafting: bool = False
+    ) -> tuple[StepBatch, SamplingBatch]:
         """The step's arrays; `drafting`: its sequences may verify drafts in the next step.
         The drafter's inputs (`following_ids`, `wants_drafts`, `speculates`) are empty in a
         shape without it."""
@@ -289,14 +292,46 @@ class BatchBuilder:
         save_blocks = np.zeros((num_saves, nb), np.int32)
         for c, save in enumerate(step.saves):
             save_seq[c], save_pos[c], save_blocks[c] = save.seq_index, save.position, save.blocks
-        batch = StepBatch(ids, cu, kv_lens, page_table, read, write, restore, save_seq, save_pos, save_blocks,
-                          state_seq, state_pos, state_slots)
+        batch = StepBatch(
+            ids,
+            cu,
+            kv_lens,
+            page_table,
+            read,
+            write,
+            restore,
+            save_seq,
+            save_pos,
+            save_blocks,
+            state_seq,
+            state_pos,
+            state_slots,
+        )
         sampling = SamplingBatch(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, presence_penalty=presence,
-            frequency_penalty=frequency, repetition_penalty=repetition, seeds=seeds, steps=steps, history=history,
-            history_lens=history_lens, prompt_lens=prompt_lens, banned=banned, min_tokens=min_tokens,
-            wants_logprobs=wants_logprobs, bias_ids=bias_ids, bias_values=bias_values, allowed_ids=allowed_ids,
-            bad_ids=bad_ids, sample_rows=sample_rows, num_drafts=num_drafts, next_ids=next_ids,
-            following_ids=following_ids, wants_drafts=wants_drafts, speculates=speculates,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            seeds=seeds,
+            steps=steps,
+            history=history,
+            history_lens=history_lens,
+            prompt_lens=prompt_lens,
+            banned=banned,
+            min_tokens=min_tokens,
+            wants_logprobs=wants_logprobs,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
+            allowed_ids=allowed_ids,
+            bad_ids=bad_ids,
+            sample_rows=sample_rows,
+            num_drafts=num_drafts,
+            next_ids=next_ids,
+            following_ids=following_ids,
+            wants_drafts=wants_drafts,
+            speculates=speculates,
         )
         return batch, sampling

@@ -39,8 +39,10 @@ class DataParallelEngine:
         dp, tp = config.data_parallel_size, config.tensor_parallel_size
         available = len(jax.devices())
         if dp * tp > available:
-            raise ValueError(f"engine argument data_parallel_size={dp} with tensor_parallel_size={tp} needs {dp * tp} "
-                             f"devices; {available} {jax.default_backend()} devices are present")
+            raise ValueError(
+                f"engine argument data_parallel_size={dp} with tensor_parallel_size={tp} needs {dp * tp} "
+                f"devices; {available} {jax.default_backend()} devices are present"
+            )
         one = dataclasses.replace(config, data_parallel_size=1)
         self.replicas = [
             LLMEngine(model, one, Parallelism(tp, config.enable_expert_parallel, first_device=r * tp))
@@ -108,8 +110,14 @@ class DataParallelEngine:
         return self.replicas[0].validate_request(prompt, params, where)
 
     def new_request(
-        self, token_ids: list[int], params: SamplingParams, index: int = 0, cache_salt: str | None = None,
-        *, sample: int = 0, prompt: str | None = None,
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        index: int = 0,
+        cache_salt: str | None = None,
+        *,
+        sample: int = 0,
+        prompt: str | None = None,
     ) -> Sequence:
         """A request on the replica its prompt's prefix leads to (see the module docstring);
         a prompt's samples after the first on the first's replica, whose pages they share."""
@@ -119,8 +127,9 @@ class DataParallelEngine:
             self._remember(keys, r)
             request_id = str(next(self._ids))
         replica = self.replicas[r]
-        seq = replica.new_request(token_ids, params, index, cache_salt, sample=sample, prompt=prompt,
-                                  request_id=request_id)
+        seq = replica.new_request(
+            token_ids, params, index, cache_salt, sample=sample, prompt=prompt, request_id=request_id
+        )
         self._owner[request_id] = replica
         return seq
 

@@ -29,16 +29,20 @@ def load_draft(
     except ValueError as err:
         raise ValueError(f"{WHERE}={model_dir!r}: {err}") from None
     if cfg.vocab_size != target.vocab_size:
-        raise ValueError(f"{WHERE}={model_dir!r}: its vocabulary ({cfg.vocab_size} tokens) is not the target's "
-                         f"({target.vocab_size})")
+        raise ValueError(
+            f"{WHERE}={model_dir!r}: its vocabulary ({cfg.vocab_size} tokens) is not the target's ({target.vocab_size})"
+        )
     if cfg.num_attention_layers and not target.num_attention_layers:
-        raise ValueError(f"{WHERE}={model_dir!r} has attention layers; a target without any keeps no KV pages "
-                         f"for it")
+        raise ValueError(f"{WHERE}={model_dir!r} has attention layers; a target without any keeps no KV pages for it")
     if cfg.num_recurrent_layers and not target.num_recurrent_layers:
-        raise ValueError(f"{WHERE}={model_dir!r} has recurrent layers; a target without any keeps no state "
-                         f"slots or checkpoints for it")
+        raise ValueError(
+            f"{WHERE}={model_dir!r} has recurrent layers; a target without any keeps no state "
+            f"slots or checkpoints for it"
+        )
     if cfg.num_attention_layers and max_model_len > cfg.max_position_embeddings:
-        raise ValueError(f"{WHERE}={model_dir!r}: max_model_len={max_model_len} exceeds the draft's "
-                         f"max_position_embeddings={cfg.max_position_embeddings}")
+        raise ValueError(
+            f"{WHERE}={model_dir!r}: max_model_len={max_model_len} exceeds the draft's "
+            f"max_position_embeddings={cfg.max_position_embeddings}"
+        )
     parallelism.validate(cfg, f"the draft model {WHERE}={model_dir!r}")
     return load_model(path, dtype, kernels, place=parallelism.placement(cfg))

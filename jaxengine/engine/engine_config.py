@@ -102,16 +102,32 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "warm_up", "background_compile", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"engine argument {name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "num_cache_blocks",
-                     "kv_cache_memory_bytes", "num_ssm_slots", "max_logprobs", "tensor_parallel_size",
-                     "data_parallel_size", "num_nodes", "distributed_timeout_s"):
+        for name in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "page_size",
+            "num_cache_blocks",
+            "kv_cache_memory_bytes",
+            "num_ssm_slots",
+            "max_logprobs",
+            "tensor_parallel_size",
+            "data_parallel_size",
+            "num_nodes",
+            "distributed_timeout_s",
+        ):
             positive(name)
         self._validate_hosts()
-        sizes = [n for n in ("num_cache_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization")
-                 if getattr(self, n) is not None]
+        sizes = [
+            n
+            for n in ("num_cache_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization")
+            if getattr(self, n) is not None
+        ]
         if len(sizes) > 1:
-            raise ValueError(f"give one of num_cache_blocks, kv_cache_memory_bytes and gpu_memory_utilization, "
-                             f"not {' and '.join(sizes)}")
+            raise ValueError(
+                f"give one of num_cache_blocks, kv_cache_memory_bytes and gpu_memory_utilization, "
+                f"not {' and '.join(sizes)}"
+            )
         u = self.gpu_memory_utilization
         if u is not None and (not isinstance(u, (int, float)) or isinstance(u, bool) or not 0 < u <= 1):
             raise ValueError(f"engine argument gpu_memory_utilization must be a number in (0, 1], got {u!r}")
@@ -123,8 +139,10 @@ class EngineConfig:
         if self.kernels not in KERNELS:
             raise ValueError(f"engine argument kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"engine argument dtype must be one of auto, float32, bfloat16, float16 (or vLLM's "
-                             f"float, half), got {self.dtype!r}")
+            raise ValueError(
+                f"engine argument dtype must be one of auto, float32, bfloat16, float16 (or vLLM's "
+                f"float, half), got {self.dtype!r}"
+            )
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):
             raise ValueError(f"engine argument tokenizer must be a directory path, got {self.tokenizer!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -143,11 +161,15 @@ class EngineConfig:
             return
         host, _, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"engine argument distributed_init_addr must be process 0's \"host:port\" when "
-                             f"num_nodes={nodes}, got {addr!r}")
+            raise ValueError(
+                f'engine argument distributed_init_addr must be process 0\'s "host:port" when '
+                f"num_nodes={nodes}, got {addr!r}"
+            )
         if self.data_parallel_size != 1:
-            raise ValueError(f"engine argument data_parallel_size={self.data_parallel_size} is not supported with "
-                             f"num_nodes={nodes} (one tensor-parallel engine spans the hosts)")
+            raise ValueError(
+                f"engine argument data_parallel_size={self.data_parallel_size} is not supported with "
+                f"num_nodes={nodes} (one tensor-parallel engine spans the hosts)"
+            )
 
     @property
     def parallelism(self) -> Parallelism:
@@ -192,8 +214,9 @@ class EngineConfig:
             return 2 * self.page_size * a.num_kv_heads * a.head_dim * self.dtype_bytes * model.num_kv_layers
         return recurrent_block_elems(model, self.dtype) * self.dtype_bytes
 
-    def resolved_num_cache_blocks(self, model: ModelConfig, blocks_per_checkpoint: int,
-                                  draft: ModelConfig | None = None) -> int:
+    def resolved_num_cache_blocks(
+        self, model: ModelConfig, blocks_per_checkpoint: int, draft: ModelConfig | None = None
+    ) -> int:
         """Blocks in the cache pool, the null block included."""
         if self.num_cache_blocks is not None:
             return self.num_cache_blocks

@@ -30,8 +30,14 @@ from jaxengine.engine.sequence import Status
 Prompt = str | Sequence[int] | dict
 
 # generation_config.json keys vLLM takes its default sampling parameters from.
-GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 class LLM:
@@ -61,8 +67,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         path = self.engine.model_dir / "generation_config.json"
         generation = json.loads(path.read_text()) if path.is_file() else {}
-        self._sampling_defaults = {ours: generation[theirs] for theirs, ours in GENERATION_DEFAULTS.items()
-                                   if generation.get(theirs) is not None}
+        self._sampling_defaults = {
+            ours: generation[theirs]
+            for theirs, ours in GENERATION_DEFAULTS.items()
+            if generation.get(theirs) is not None
+        }
         self.max_model_len = self.engine.max_model_len
         self._lock = CallerLock()
         self._stepping = False  # a step is running (under the lock)
@@ -94,7 +103,10 @@ class LLM:
     def warm_up(self, progress: bool = True) -> None:
         """Makes every step shape ready (see `LLMEngine.warm_up`), so no step waits for a compile."""
         shapes = self.engine.shapes()
-        with self._lock, tqdm(total=len(shapes), desc="compiling step shapes", leave=False, disable=not progress) as bar:
+        with (
+            self._lock,
+            tqdm(total=len(shapes), desc="compiling step shapes", leave=False, disable=not progress) as bar,
+        ):
             self.engine.warm_up(bar.update)
 
     def follow(self) -> int:
@@ -216,8 +228,10 @@ class LLM:
         $JAXENGINE_PROFILER_DIR, or by vLLM's $VLLM_TORCH_PROFILER_DIR."""
         directory = os.environ.get("JAXENGINE_PROFILER_DIR") or os.environ.get("VLLM_TORCH_PROFILER_DIR")
         if not directory:
-            raise RuntimeError("LLM.start_profile needs JAXENGINE_PROFILER_DIR (or VLLM_TORCH_PROFILER_DIR) set "
-                               "to the directory for the trace")
+            raise RuntimeError(
+                "LLM.start_profile needs JAXENGINE_PROFILER_DIR (or VLLM_TORCH_PROFILER_DIR) set "
+                "to the directory for the trace"
+            )
         jax.profiler.start_trace(directory)
 
     def stop_profile(self) -> None:
@@ -260,12 +274,19 @@ class LLM:
         if chat_template is not None and Path(chat_template).is_file():
             chat_template = Path(chat_template).read_text()
         if chat_template is None and self.tokenizer.chat_template is None:
-            raise ValueError(f"LLM.chat: the tokenizer of {self.engine.model_dir} has no chat template "
-                             f"(tokenizer_config.json or chat_template.jinja); pass chat_template=")
+            raise ValueError(
+                f"LLM.chat: the tokenizer of {self.engine.model_dir} has no chat template "
+                f"(tokenizer_config.json or chat_template.jinja); pass chat_template="
+            )
         texts = [
             self.tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                conversation,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
             for conversation in conversations
         ]
         # The template writes any special tokens itself: tokenized without adding more.
@@ -289,7 +310,8 @@ class LLM:
         return [self.engine.output(group) for group in groups]
 
     def generate_stream(
-        self, prompts: Prompt | Sequence[Prompt],
+        self,
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> "RequestStream":
         """Yields each request's new tokens and text as soon as a step produces them (one
@@ -370,8 +392,15 @@ class RequestStream:
             self._sent_text[i] = text
             self._reported[i] = finished
             output = engine.output([seq]) if finished else None
-            return StreamOutput(seq.index, seq.request_id, new_tokens,
-                                text[len(sent) :] if text.startswith(sent) else text, finished, output, seq.sample)
+            return StreamOutput(
+                seq.index,
+                seq.request_id,
+                new_tokens,
+                text[len(sent) :] if text.startswith(sent) else text,
+                finished,
+                output,
+                seq.sample,
+            )
         return None
 
     def close(self) -> None:

@@ -53,7 +53,9 @@ class LLMEngine:
         the first device on; data-parallel replicas start further on)."""
         config.validate()
         if config.num_nodes > 1:  # before anything touches a device
-            multihost.join(config.distributed_init_addr, config.num_nodes, config.node_rank, config.distributed_timeout_s)
+            multihost.join(
+                config.distributed_init_addr, config.num_nodes, config.node_rank, config.distributed_timeout_s
+            )
         self.model_dir = Path(model)
         if config.dtype == "auto":
             config = dataclasses.replace(config, dtype=checkpoint_dtype(self.model_dir))
@@ -68,17 +70,22 @@ class LLMEngine:
         parallelism = parallelism or config.parallelism
         parallelism.validate(declared)
         if config.dtype == "float16" and declared.num_recurrent_layers:
-            raise ValueError("engine argument dtype='float16' is not supported for models with recurrent layers "
-                             "(their float32 states would not fit float16 checkpoints); use bfloat16 or float32")
+            raise ValueError(
+                "engine argument dtype='float16' is not supported for models with recurrent layers "
+                "(their float32 states would not fit float16 checkpoints); use bfloat16 or float32"
+            )
         self.speculative = spec = config.speculative()
         uses_mtp = spec is not None and spec.method == "mtp"
         # The model's step drafts for the next one (the MTP module or the draft model).
         self.drafts_in_step = spec is not None and spec.method in DRAFTS_IN_STEP
         if uses_mtp and not declared.mtp_layers:
-            raise ValueError(f"engine argument speculative_config.method='mtp': {self.model_dir / 'config.json'} "
-                             f"declares no MTP module (mtp_num_hidden_layers; Nemotron-H: num_nextn_predict_layers)")
-        self.model_config, graphdef, params = load_model(self.model_dir, config.dtype, config.kernels, mtp=uses_mtp,
-                                                         place=parallelism.placement(declared))
+            raise ValueError(
+                f"engine argument speculative_config.method='mtp': {self.model_dir / 'config.json'} "
+                f"declares no MTP module (mtp_num_hidden_layers; Nemotron-H: num_nextn_predict_layers)"
+            )
+        self.model_config, graphdef, params = load_model(
+            self.model_dir, config.dtype, config.kernels, mtp=uses_mtp, place=parallelism.placement(declared)
+        )
         self.tokenizer = load_tokenizer(Path(config.tokenizer) if config.tokenizer else self.model_dir)
         cfg = self.model_config
         self.max_model_len = config.resolved_max_model_len(cfg)
@@ -89,11 +96,19 @@ class LLMEngine:
             )
         draft = None
         if spec is not None and spec.method == "draft_model":
-            draft = load_draft(spec.model, cfg, dtype=config.dtype, kernels=config.kernels,
-                               max_model_len=self.max_model_len, parallelism=parallelism)
+            draft = load_draft(
+                spec.model,
+                cfg,
+                dtype=config.dtype,
+                kernels=config.kernels,
+                max_model_len=self.max_model_len,
+                parallelism=parallelism,
+            )
         self.draft_config = draft[0] if draft else None
         if config.max_logprobs > cfg.vocab_size:
-            raise ValueError(f"engine argument max_logprobs={config.max_logprobs} exceeds the vocabulary ({cfg.vocab_size})")
+            raise ValueError(
+                f"engine argument max_logprobs={config.max_logprobs} exceeds the vocabulary ({cfg.vocab_size})"
+            )
         caching = config.enable_prefix_caching
         dtype = jax.tree.leaves(params)[0].dtype
         # A checkpoint spans the blocks the target's state needs, or the draft model's if more.
@@ -103,7 +118,8 @@ class LLMEngine:
         self.retention_interval, why = config.resolved_retention_interval(cfg)
         if config.gpu_memory_utilization is not None:
             self.config = config = dataclasses.replace(
-                config, gpu_memory_utilization=None, kv_cache_memory_bytes=self._device_pool_bytes(cfg))
+                config, gpu_memory_utilization=None, kv_cache_memory_bytes=self._device_pool_bytes(cfg)
+            )
         num_blocks = config.resolved_num_cache_blocks(cfg, blocks_per_checkpoint if caching else 0, self.draft_config)
         cache = PrefixCache(
             BlockPool(num_blocks),
@@ -122,10 +138,14 @@ class LLMEngine:
         self.draft: Callable[[Sequence, int], list[int]] = self._ngram_draft
         slots = LiveSlots(config.resolved_num_ssm_slots()) if cfg.num_recurrent_layers else None
         if slots is not None and slots.num_live < 2 + k:
-            raise ValueError(f"engine argument num_ssm_slots={slots.num_live} is below the {2 + k} slots one sequence "
-                             f"needs (its read and write slots and one per speculative token)")
+            raise ValueError(
+                f"engine argument num_ssm_slots={slots.num_live} is below the {2 + k} slots one sequence "
+                f"needs (its read and write slots and one per speculative token)"
+            )
         self.runner = ModelRunner(
-            cfg, graphdef, params,
+            cfg,
+            graphdef,
+            params,
             num_blocks=num_blocks,
             page_size=config.page_size,
             num_slots=slots.num_slots if slots else 2,
@@ -168,8 +188,12 @@ class LLMEngine:
             logger.info(
                 "prefix cache: retention %s (prefix_cache_retention_interval=%r, %s); one checkpoint = %d blocks "
                 "of %d bytes in a pool of %d blocks",
-                checkpoint_policy.describe_interval(self.retention_interval), self.retention_interval, why,
-                blocks_per_checkpoint, self.block_bytes, num_blocks,
+                checkpoint_policy.describe_interval(self.retention_interval),
+                self.retention_interval,
+                why,
+                blocks_per_checkpoint,
+                self.block_bytes,
+                num_blocks,
             )
         self.requests: dict[str, Sequence] = {}  # unfinished ones, by request id
         self._id_lock = threading.Lock()
@@ -188,8 +212,11 @@ class LLMEngine:
         sizing) on a device that reports no memory limit, as a CPU does."""
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" not in stats:
-            logger.info("engine argument gpu_memory_utilization has no effect on %s (no device memory limit): "
-                        "the pool gets its default size", jax.devices()[0].platform)
+            logger.info(
+                "engine argument gpu_memory_utilization has no effect on %s (no device memory limit): "
+                "the pool gets its default size",
+                jax.devices()[0].platform,
+            )
             return None
         slots = self.config.resolved_num_ssm_slots() if cfg.num_recurrent_layers else 0
         models = [m for m in (cfg, self.draft_config) if m is not None]
@@ -199,9 +226,11 @@ class LLMEngine:
         budget -= slots * slot_bytes
         budget = multihost.from_process_0(budget)  # pools of one shape on every process
         if budget < 2 * self.config.block_bytes(cfg, self.draft_config):
-            raise ValueError(f"engine argument gpu_memory_utilization={self.config.gpu_memory_utilization} leaves "
-                             f"no room for the cache pool ({stats.get('bytes_in_use', 0)} bytes in use of "
-                             f"{stats['bytes_limit']})")
+            raise ValueError(
+                f"engine argument gpu_memory_utilization={self.config.gpu_memory_utilization} leaves "
+                f"no room for the cache pool ({stats.get('bytes_in_use', 0)} bytes in use of "
+                f"{stats['bytes_limit']})"
+            )
         return budget
 
     def _costs(self, cfg: ModelConfig, params, blocks_per_checkpoint: int) -> ModelCosts:
@@ -228,8 +257,9 @@ class LLMEngine:
         decode shapes now (every step fits one of them) and the others on a background
         thread, most sequences and decode shapes first."""
         start = time.perf_counter()
-        shapes = sorted(self.shapes(), key=lambda s: (-s.num_seqs, not s.decode, -s.num_tokens, s.num_saves,
-                                                      s.sample_width))
+        shapes = sorted(
+            self.shapes(), key=lambda s: (-s.num_seqs, not s.decode, -s.num_tokens, s.num_saves, s.sample_width)
+        )
         largest = {max((s for s in shapes if s.decode == d), key=_size) for d in (False, True)}
         later = {_key(s) for s in shapes if s not in largest} if self.config.background_compile else set()
         batches = []
@@ -269,7 +299,9 @@ class LLMEngine:
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             for k, t in enumerate(prompt):
                 if not is_int(t):
-                    raise ValueError(f"{where}: token ids must be integers, got {t!r} ({type(t).__name__}) at index {k}")
+                    raise ValueError(
+                        f"{where}: token ids must be integers, got {t!r} ({type(t).__name__}) at index {k}"
+                    )
             ids = [int(t) for t in prompt]
         else:
             raise ValueError(f"{where}: a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -284,8 +316,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"{where}: the prompt ({len(ids)} tokens) leaves no room for output within "
-                             f"max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"{where}: the prompt ({len(ids)} tokens) leaves no room for output within "
+                f"max_model_len={self.max_model_len}"
+            )
         total = len(ids) + self.max_output_tokens(len(ids), params)
         cache = self.scheduler.cache
         if cache.has_kv and -(-total // self.config.page_size) > cache.pool.num_usable:
@@ -310,8 +344,15 @@ class LLMEngine:
         return words
 
     def new_request(
-        self, token_ids: list[int], params: SamplingParams, index: int = 0, cache_salt: str | None = None,
-        *, sample: int = 0, prompt: str | None = None, request_id: str | None = None,
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        index: int = 0,
+        cache_salt: str | None = None,
+        *,
+        sample: int = 0,
+        prompt: str | None = None,
+        request_id: str | None = None,
     ) -> Sequence:
         """An already validated request, not queued yet (`enqueue`); safe from any thread.
         It keeps its own copy of `params`, with max_tokens resolved and, for sample j of a
@@ -322,11 +363,25 @@ class LLMEngine:
                 request_id = str(self._next_id)
                 self._next_id += 1
         max_tokens = self.max_output_tokens(len(token_ids), params)
-        params = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens),
-                                     seed=None if params.seed is None else params.seed + sample)
+        params = dataclasses.replace(
+            params,
+            max_tokens=max_tokens,
+            min_tokens=min(params.min_tokens, max_tokens),
+            seed=None if params.seed is None else params.seed + sample,
+        )
         seed = params.step_seed if params.seed is not None else zlib.crc32(f"{self.config.seed}/{request_id}".encode())
-        seq = Sequence(request_id, index, list(token_ids), len(token_ids), params, seed, cache_salt=cache_salt,
-                       prompt=prompt, sample=sample, bad_word_ids=self._bad_word_ids(params))
+        seq = Sequence(
+            request_id,
+            index,
+            list(token_ids),
+            len(token_ids),
+            params,
+            seed,
+            cache_salt=cache_salt,
+            prompt=prompt,
+            sample=sample,
+            bad_word_ids=self._bad_word_ids(params),
+        )
         self.requests[request_id] = seq
         return seq
 
@@ -422,8 +477,15 @@ class LLMEngine:
         or max_model_len, none with bad words (their bans depend on each drafted token)."""
         if seq.bad_word_ids:
             return 0
-        return max(0, min(self.speculative.num_speculative_tokens, at_most,
-                          seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq.tokens)))
+        return max(
+            0,
+            min(
+                self.speculative.num_speculative_tokens,
+                at_most,
+                seq.params.max_tokens - seq.num_output_tokens - 1,
+                self.max_model_len - len(seq.tokens),
+            ),
+        )
 
     def _admits(self, num_seqs: int, hit_has_draft_state: bool) -> bool:
         """Whether a sequence admitted into a batch of `num_seqs` speculates: not where its
@@ -431,8 +493,9 @@ class LLMEngine:
         (the MTP module, a draft model) with the adaptive gate, only where speculation pays
         against plain decoding (their pass over every token is then saved). ngram is decided
         step by step only."""
-        speculates = hit_has_draft_state and (self.gate is None or not self.drafts_in_step
-                                              or self.gate.admits(self.builder.seq_bucket(num_seqs)))
+        speculates = hit_has_draft_state and (
+            self.gate is None or not self.drafts_in_step or self.gate.admits(self.builder.seq_bucket(num_seqs))
+        )
         self.spec_stats.requests_speculating += speculates
         self.spec_stats.requests_not_speculating += not speculates
         return speculates
@@ -491,7 +554,9 @@ class LLMEngine:
             self._record_prompt_logprobs(scheduled, out.prompt)
         want_logprobs = any(s.params.logprobs is not None for s in scheduled.seqs)
         if want_logprobs:
-            chosen, top_lp, top_ids, ranks = (np.asarray(a) for a in (out.logprob, out.top_logprobs, out.top_ids, out.rank))
+            chosen, top_lp, top_ids, ranks = (
+                np.asarray(a) for a in (out.logprob, out.top_logprobs, out.top_ids, out.rank)
+            )
         step_drafts = np.asarray(out.drafts) if drafting_next else None  # [S, k]: the MTP module's or draft model's
         now = time.perf_counter()
         width = tokens.shape[1]
@@ -499,7 +564,10 @@ class LLMEngine:
         for i, seq in enumerate(scheduled.seqs):
             drafts = scheduled.drafts_of(i)
             kept.append(0)
-            if seq.num_computed + scheduled.num_tokens[i] - len(drafts) < len(seq.tokens) or seq.finish_reason is not None:
+            if (
+                seq.num_computed + scheduled.num_tokens[i] - len(drafts) < len(seq.tokens)
+                or seq.finish_reason is not None
+            ):
                 continue  # a prefill chunk that does not reach the end yet, or a completion step
             first_row = width - 1 - len(drafts)  # the row after its pending token
             emitted = accept(drafts, [int(t) for t in tokens[i, first_row:]])
@@ -547,8 +615,9 @@ class LLMEngine:
     def _record_prompt_logprobs(self, scheduled: ScheduledStep, prompt: PromptLogprobs) -> None:
         """Appends the Logprob entries of the prompt tokens this step's chunks predict (the
         tokens after the ones they compute), for the sequences that asked."""
-        lp, rank, top_lp, top_ids = (np.asarray(a) for a in (prompt.logprob, prompt.rank, prompt.top_logprobs,
-                                                              prompt.top_ids))
+        lp, rank, top_lp, top_ids = (
+            np.asarray(a) for a in (prompt.logprob, prompt.rank, prompt.top_logprobs, prompt.top_ids)
+        )
         offset = 0
         for seq, n in zip(scheduled.seqs, scheduled.num_tokens):
             k, start = seq.params.prompt_logprobs, seq.num_computed
@@ -706,8 +775,15 @@ def _key(shape: Shape) -> ShapeKey:
 
 
 def _size(shape: Shape) -> tuple[int, int, bool, int, int, int, bool]:
-    return (shape.num_tokens, shape.num_seqs, not shape.decode, shape.num_saves, shape.sample_width,
-            shape.num_position_states, shape.runs_drafter)
+    return (
+        shape.num_tokens,
+        shape.num_seqs,
+        not shape.decode,
+        shape.num_saves,
+        shape.sample_width,
+        shape.num_position_states,
+        shape.runs_drafter,
+    )
 
 
 def _covers(big: Shape, small: Shape) -> bool:
@@ -715,11 +791,16 @@ def _covers(big: Shape, small: Shape) -> bool:
     fits a mixed shape (a mixed step handles any tokens per sequence) but not the reverse (a
     verify shape is a decode shape with more tokens per sequence: a plain decode step fits it);
     a shape with the drafter fits a step without it (the drafter skips it at run time)."""
-    return (big.num_tokens >= small.num_tokens and big.num_seqs >= small.num_seqs
-            and big.num_saves >= small.num_saves and (big.decode == small.decode or not big.decode)
-            and (not big.decode or big.num_tokens // big.num_seqs >= small.num_tokens // small.num_seqs)
-            and big.sample_width >= small.sample_width and big.num_position_states >= small.num_position_states
-            and big.runs_drafter >= small.runs_drafter)
+    return (
+        big.num_tokens >= small.num_tokens
+        and big.num_seqs >= small.num_seqs
+        and big.num_saves >= small.num_saves
+        and (big.decode == small.decode or not big.decode)
+        and (not big.decode or big.num_tokens // big.num_seqs >= small.num_tokens // small.num_seqs)
+        and big.sample_width >= small.sample_width
+        and big.num_position_states >= small.num_position_states
+        and big.runs_drafter >= small.runs_drafter
+    )
 
 
 def _share_speculating(seqs: list[Sequence]) -> float:

@@ -40,11 +40,15 @@ class Parallelism:
         tp = self.tensor_parallel_size
         available = len(jax.devices())
         if self.first_device + tp > available:
-            raise ValueError(f"engine argument tensor_parallel_size={tp} exceeds the {available - self.first_device} "
-                             f"{jax.default_backend()} devices present")
+            raise ValueError(
+                f"engine argument tensor_parallel_size={tp} exceeds the {available - self.first_device} "
+                f"{jax.default_backend()} devices present"
+            )
         if jax.process_count() > 1 and (tp != available or self.first_device):
-            raise ValueError(f"engine argument tensor_parallel_size={tp} must be the {available} devices of all "
-                             f"{jax.process_count()} processes: one engine spans every host")
+            raise ValueError(
+                f"engine argument tensor_parallel_size={tp} must be the {available} devices of all "
+                f"{jax.process_count()} processes: one engine spans every host"
+            )
         if self.enable_expert_parallel and cfg.moe is None:
             raise ValueError(f"engine argument enable_expert_parallel=True: {what} has no mixture-of-experts layers")
         for field, count in _split_counts(cfg, self.enable_expert_parallel):
@@ -52,8 +56,10 @@ class Parallelism:
                 raise ValueError(f"engine argument tensor_parallel_size={tp} does not divide {what}'s {field}={count}")
         a = cfg.attention
         if a is not None and a.num_kv_heads % tp and tp % a.num_kv_heads:
-            raise ValueError(f"engine argument tensor_parallel_size={tp} does not divide {what}'s "
-                             f"num_key_value_heads={a.num_kv_heads} (nor is it a multiple of it)")
+            raise ValueError(
+                f"engine argument tensor_parallel_size={tp} does not divide {what}'s "
+                f"num_key_value_heads={a.num_kv_heads} (nor is it a multiple of it)"
+            )
 
     def placement(self, cfg: ModelConfig) -> Callable[[nnx.Variable], NamedSharding]:
         """Where each of `cfg`'s parameters goes on this engine's mesh (`param_sharding`)."""

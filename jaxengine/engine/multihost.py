@@ -32,16 +32,25 @@ def join(address: str, num_nodes: int, node_rank: int, timeout_s: int) -> None:
     if _joined == (address, num_nodes, node_rank):
         return
     if _joined is not None:
-        raise ValueError(f"engine arguments distributed_init_addr={address!r}, num_nodes={num_nodes}, "
-                         f"node_rank={node_rank}: this process joined as {_joined} already")
+        raise ValueError(
+            f"engine arguments distributed_init_addr={address!r}, num_nodes={num_nodes}, "
+            f"node_rank={node_rank}: this process joined as {_joined} already"
+        )
     if node_rank > 0:
         _wait_for(address, timeout_s)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # XLA:CPU's collectives across processes
-    logger.info("node %d of %d: joining %s (waiting up to %d s for the others)", node_rank, num_nodes, address,
-                timeout_s)
+    logger.info(
+        "node %d of %d: joining %s (waiting up to %d s for the others)", node_rank, num_nodes, address, timeout_s
+    )
     try:
-        jax.distributed.initialize(address, num_nodes, node_rank, initialization_timeout=timeout_s,
-                                   heartbeat_timeout_seconds=timeout_s, shutdown_timeout_seconds=timeout_s)
+        jax.distributed.initialize(
+            address,
+            num_nodes,
+            node_rank,
+            initialization_timeout=timeout_s,
+            heartbeat_timeout_seconds=timeout_s,
+            shutdown_timeout_seconds=timeout_s,
+        )
     except RuntimeError as err:  # JAX was in use already, or joined by other means
         raise ValueError(f"engine argument num_nodes={num_nodes}: {err}") from None
     _joined = (address, num_nodes, node_rank)
@@ -57,8 +66,10 @@ def _wait_for(address: str, timeout_s: int) -> None:
             return
         except OSError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"engine argument distributed_init_addr={address!r}: nothing answered there within "
-                                   f"distributed_timeout_s={timeout_s} s; is process 0 (node_rank=0) running?") from None
+                raise TimeoutError(
+                    f"engine argument distributed_init_addr={address!r}: nothing answered there within "
+                    f"distributed_timeout_s={timeout_s} s; is process 0 (node_rank=0) running?"
+                ) from None
             time.sleep(0.2)
 
 
@@ -77,7 +88,9 @@ class Lockstep:
                 _broadcast(pickle.dumps((method, args)))
             except (RuntimeError, ValueError) as err:  # XLA's errors: a process has gone
                 self.stopped = True
-                raise ConnectionError(f"process 0 lost the other processes of the engine (one stopped?): {err}") from err
+                raise ConnectionError(
+                    f"process 0 lost the other processes of the engine (one stopped?): {err}"
+                ) from err
 
     def stop(self) -> None:
         """On process 0 of several: releases the others from `follow` (no more steps)."""

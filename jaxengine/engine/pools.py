@@ -56,8 +56,9 @@ def allocate_pools(
         for arrays in recurrent_states(cfg)
     )
     if not k_pages and states:
-        checkpoints.append(_zeros((num_blocks, recurrent_block_elems(cfg, dtype)), dtype,
-                                 NamedSharding(mesh, PartitionSpec())))
+        checkpoints.append(
+            _zeros((num_blocks, recurrent_block_elems(cfg, dtype)), dtype, NamedSharding(mesh, PartitionSpec()))
+        )
     return Pools(tuple(k_pages), tuple(v_pages), tuple(checkpoints), states)
 
 

@@ -23,8 +23,16 @@ from jaxengine.models.mtp import last_accepted_rows, mtp_drafts
 
 
 def _model_step(
-    graphdef: nnx.GraphDef, treedef: PyTreeDef, placement: Pools, param_leaves: list, pools: Pools, batch: StepBatch,
-    *, decode: bool, all_logits: bool, rows: jax.Array | None = None,
+    graphdef: nnx.GraphDef,
+    treedef: PyTreeDef,
+    placement: Pools,
+    param_leaves: list,
+    pools: Pools,
+    batch: StepBatch,
+    *,
+    decode: bool,
+    all_logits: bool,
+    rows: jax.Array | None = None,
 ) -> tuple[jax.Array, Pools]:
     """One pure forward step: merges the model inside, returns logits and the new pools (in
     the shardings `placement`, those they came in: donation hands their buffers back)."""
@@ -70,16 +78,40 @@ def _sample_step(
         return draft_tokens(logits, sampling, last, i)
 
     if model.mtp is not None and sampling.runs_drafter:
-        drafts, pools = mtp_drafts(model, pools, batch, sampling.sample_rows, sampling.num_drafts,
-                                   sampling.following_ids, sampling.wants_drafts, sampling.speculates, h, out.tokens,
-                                   last, choose, num_step_drafts, kernel_ops(model.kernels))
+        drafts, pools = mtp_drafts(
+            model,
+            pools,
+            batch,
+            sampling.sample_rows,
+            sampling.num_drafts,
+            sampling.following_ids,
+            sampling.wants_drafts,
+            sampling.speculates,
+            h,
+            out.tokens,
+            last,
+            choose,
+            num_step_drafts,
+            kernel_ops(model.kernels),
+        )
         out = dataclasses.replace(out, drafts=drafts)
     if draft_pools is None:  # no draft model, or a step without it
         return _everywhere(out), None, jax.lax.with_sharding_constraint(pools, placement[1])
     draft = nnx.merge(draft_graphdef, jax.tree.unflatten(draft_treedef, draft_leaves))
-    drafts, draft_pools = draft_model_drafts(draft, draft_pools, batch, sampling.sample_rows, sampling.num_drafts,
-                                             sampling.wants_drafts, sampling.speculates, out.tokens, last, choose,
-                                             num_step_drafts, decode)
+    drafts, draft_pools = draft_model_drafts(
+        draft,
+        draft_pools,
+        batch,
+        sampling.sample_rows,
+        sampling.num_drafts,
+        sampling.wants_drafts,
+        sampling.speculates,
+        out.tokens,
+        last,
+        choose,
+        num_step_drafts,
+        decode,
+    )
     out = dataclasses.replace(out, drafts=drafts)
     # The pools in the order jit flattens the (keyword) arguments: it gives each donated
     # input buffer to the first output of its shape, and a draft may have the target's shapes.
@@ -128,8 +160,9 @@ class ModelRunner:
         dtype = jax.tree.leaves(params)[0].dtype
         sizes = dict(num_blocks=num_blocks, page_size=page_size, num_slots=num_slots, dtype=dtype, mesh=self.mesh)
         self._allocate = functools.partial(allocate_pools, cfg, **sizes, rules=rules)
-        self._allocate_draft = functools.partial(allocate_pools, draft[0], **sizes, rules=draft_rules) if draft else (
-            lambda: None)
+        self._allocate_draft = (
+            functools.partial(allocate_pools, draft[0], **sizes, rules=draft_rules) if draft else (lambda: None)
+        )
         self.pools = self._allocate()
         self.draft_pools = self._allocate_draft()
         placement = pool_shardings(self.pools)
@@ -139,20 +172,28 @@ class ModelRunner:
         self.param_leaves, self.param_treedef = place_params(params, self.mesh, rules)
         bound = dict(graphdef=graphdef, treedef=self.param_treedef)
         self.model_step = jax.jit(
-            functools.partial(_model_step, **bound, placement=placement), static_argnames=("decode", "all_logits"),
+            functools.partial(_model_step, **bound, placement=placement),
+            static_argnames=("decode", "all_logits"),
             donate_argnames=("pools",),
         )
         # The draft model's parameters and pools (its pools: blocks and slots of the target's indices).
         self.draft_leaves, draft_treedef = place_params(draft[2], self.mesh, draft_rules) if draft else ([], None)
         self.sample_step = jax.jit(
-            functools.partial(_sample_step, **bound, draft_graphdef=draft[1] if draft else None,
-                              draft_treedef=draft_treedef, placement=(pool_shardings(self.draft_pools), placement)),
-            static_argnames=("decode", "num_logprobs", "num_step_drafts"), donate_argnames=("pools", "draft_pools"),
+            functools.partial(
+                _sample_step,
+                **bound,
+                draft_graphdef=draft[1] if draft else None,
+                draft_treedef=draft_treedef,
+                placement=(pool_shardings(self.draft_pools), placement),
+            ),
+            static_argnames=("decode", "num_logprobs", "num_step_drafts"),
+            donate_argnames=("pools", "draft_pools"),
         )
         # The pools' shapes and shardings, to compile against while the pools themselves are
         # donated to running steps.
         self.pool_specs, self.draft_pool_specs = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), (self.pools, self.draft_pools))
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), (self.pools, self.draft_pools)
+        )
         # One executable per step shape, compiled (or loaded from `store`) ahead of its first
         # step, and called directly: no tracing, no dispatch through the jit's cache.
         self.steps = StepExecutables(self._lower, self._file_key, store or StepStore(None))
@@ -182,8 +223,12 @@ class ModelRunner:
         """Runs one step and samples each sequence's next token on device."""
         self.lockstep.send("sample", batch, sampling, decode)
         out, self.draft_pools, self.pools = self.steps.run(
-            batch, sampling, decode, lambda executable: self.run_executable(executable, batch, sampling),
-            can_retry=lambda: not self.pools_lost())
+            batch,
+            sampling,
+            decode,
+            lambda executable: self.run_executable(executable, batch, sampling),
+            can_retry=lambda: not self.pools_lost(),
+        )
         return out
 
     def run_executable(
@@ -201,20 +246,29 @@ class ModelRunner:
     def _lower(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Lowered:
         with jax.set_mesh(self.mesh):  # kernels run on each device's heads (`kernels.py`)
             args = self._step_args(batch, sampling, self.pool_specs, self.draft_pool_specs)
-            return self.sample_step.lower(**args, decode=decode, num_logprobs=self.num_logprobs,
-                                          num_step_drafts=self.num_step_drafts)
+            return self.sample_step.lower(
+                **args, decode=decode, num_logprobs=self.num_logprobs, num_step_drafts=self.num_step_drafts
+            )
 
     def _file_key(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> str:
-        static = dict(decode=decode, num_logprobs=self.num_logprobs, num_step_drafts=self.num_step_drafts,
-                      model=self._baked)
-        return self.steps.store.key(static, *self._step_args(batch, sampling, self.pool_specs,
-                                                              self.draft_pool_specs).values())
+        static = dict(
+            decode=decode, num_logprobs=self.num_logprobs, num_step_drafts=self.num_step_drafts, model=self._baked
+        )
+        return self.steps.store.key(
+            static, *self._step_args(batch, sampling, self.pool_specs, self.draft_pool_specs).values()
+        )
 
     def _step_args(self, batch: StepBatch, sampling: SamplingBatch, pools: Pools, draft_pools: Pools | None) -> dict:
         """A step's arguments: the draft model's parameters and pools only to a step that runs it."""
         drafter = sampling.runs_drafter
-        return dict(param_leaves=self.param_leaves, draft_leaves=self.draft_leaves if drafter else [], pools=pools,
-                    draft_pools=draft_pools if drafter else None, batch=batch, sampling=sampling)
+        return dict(
+            param_leaves=self.param_leaves,
+            draft_leaves=self.draft_leaves if drafter else [],
+            pools=pools,
+            draft_pools=draft_pools if drafter else None,
+            batch=batch,
+            sampling=sampling,
+        )
 
     def num_compiled_steps(self) -> int:
         """How many step executables this runner has compiled or loaded (for recompile checks)."""
@@ -229,8 +283,12 @@ class ModelRunner:
             if not leaf.is_deleted():
                 leaf.delete()
 
-    def warm_up(self, batches: list[tuple[StepBatch, SamplingBatch, bool]], progress: Callable | None = None,
-                later: set = frozenset()) -> None:
+    def warm_up(
+        self,
+        batches: list[tuple[StepBatch, SamplingBatch, bool]],
+        progress: Callable | None = None,
+        later: set = frozenset(),
+    ) -> None:
         """Loads or compiles the step of every given (all-padding) batch before real work
         starts; the shapes in `later` that are not stored compile on a background thread."""
         self.steps.prepare(batches, later=later, progress=progress)

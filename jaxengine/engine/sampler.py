@@ -101,8 +101,9 @@ def _top_and_rank(logprobs: jax.Array, chosen: jax.Array, k: int) -> tuple[jax.A
     return rank.astype(jnp.int32), values, ids.astype(jnp.int32)
 
 
-def prompt_logprobs(head: Callable[[jax.Array], jax.Array], h: jax.Array, next_ids: jax.Array,
-                    num_logprobs: int) -> PromptLogprobs:
+def prompt_logprobs(
+    head: Callable[[jax.Array], jax.Array], h: jax.Array, next_ids: jax.Array, num_logprobs: int
+) -> PromptLogprobs:
     """`PromptLogprobs` from every token's final hidden state `h` [T, D]. The LM head runs on
     all T tokens only in steps where some token asks (prompt_logprobs requests prefilling)."""
 
@@ -170,8 +171,7 @@ def _filter(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
         # A token stays when the mass strictly above it is below p (the smallest prefix of the
         # sorted tokens reaching p, ties kept together): above the largest u whose mass above is >= p.
         probs = jax.nn.softmax(logits, axis=-1)
-        above = _largest(lambda u: jnp.sum(jnp.where(keys > u[:, None], probs, 0), axis=-1) >= sb.top_p,
-                         keys.shape[0])
+        above = _largest(lambda u: jnp.sum(jnp.where(keys > u[:, None], probs, 0), axis=-1) >= sb.top_p, keys.shape[0])
         return jnp.where((keys > above[:, None]) | (sb.top_p[:, None] >= 1), logits, -jnp.inf)
 
     logits = jax.lax.cond(jnp.any(sb.top_p < 1), top_p, lambda logits: logits, logits)
@@ -196,6 +196,7 @@ def _order_keys(x: jax.Array) -> jax.Array:
 def _largest(holds: Callable[[jax.Array], jax.Array], num_rows: int) -> jax.Array:
     """Per row, the largest uint32 u for which `holds(u)` ([R] -> [R] bool) is true, for a
     condition true up to some u and false after it (and true at 0): fixed bit by bit."""
+
     def fix_bit(i, found):
         trial = found | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
         return jnp.where(holds(trial), trial, found)
@@ -206,9 +207,11 @@ def _largest(holds: Callable[[jax.Array], jax.Array], num_rows: int) -> jax.Arra
 def _per_row(seq_sb: SamplingBatch, rows: RowSettings) -> SamplingBatch:
     """The sequences' settings gathered per row (the history stays per sequence: `rows` says
     how much of it each row counts; the drafter's inputs are not sampling settings)."""
-    per_row = {f.name: getattr(seq_sb, f.name)[rows.seq] for f in dataclasses.fields(seq_sb)
-               if f.name not in ("history", "sample_rows", "steps", "next_ids", "following_ids", "wants_drafts",
-                                 "speculates")}
+    per_row = {
+        f.name: getattr(seq_sb, f.name)[rows.seq]
+        for f in dataclasses.fields(seq_sb)
+        if f.name not in ("history", "sample_rows", "steps", "next_ids", "following_ids", "wants_drafts", "speculates")
+    }
     return dataclasses.replace(seq_sb, **per_row, steps=rows.steps)
 
 
@@ -220,8 +223,8 @@ def _choose(logits: jax.Array, sb: SamplingBatch, rows: RowSettings) -> jax.Arra
     restricted = jnp.any(sb.bias_ids >= 0) | jnp.any(sb.allowed_ids >= 0) | jnp.any(sb.bad_ids >= 0)
     logits = jax.lax.cond(restricted, _restrict, lambda logits, sb: logits, logits, sb)
     # Penalties scatter every row's history over the vocabulary: only when some row has one.
-    penalised = jnp.any(sb.repetition_penalty != 1) | jnp.any(sb.frequency_penalty != 0) | jnp.any(
-        sb.presence_penalty != 0
+    penalised = (
+        jnp.any(sb.repetition_penalty != 1) | jnp.any(sb.frequency_penalty != 0) | jnp.any(sb.presence_penalty != 0)
     )
     logits = jax.lax.cond(penalised, _apply_penalties, lambda logits, sb, rows: logits, logits, sb, rows)
     greedy = _argmax(logits)
@@ -277,6 +280,7 @@ def draft_tokens(logits: jax.Array, seq_sb: SamplingBatch, last: jax.Array, i: i
     num_seqs, width = seq_sb.sample_rows.shape
     at = jnp.arange(num_seqs) * width + last
     verify_rows = row_settings(seq_sb)
-    rows = RowSettings(jnp.arange(num_seqs, dtype=jnp.int32), verify_rows.steps[at] + 1 + i,
-                       verify_rows.history_lens[at])
+    rows = RowSettings(
+        jnp.arange(num_seqs, dtype=jnp.int32), verify_rows.steps[at] + 1 + i, verify_rows.history_lens[at]
+    )
     return _choose(jnp.asarray(logits, jnp.float32), _per_row(seq_sb, rows), rows)

@@ -60,7 +60,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    bad_words: list[str] | None = None  # words the output may not contain (as tokenized, with and without a leading space)
+    bad_words: list[str] | None = (
+        None  # words the output may not contain (as tokenized, with and without a leading space)
+    )
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
     allowed_token_ids: list[int] | None = None  # only these may be drawn
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as max_model_len allows)
@@ -124,8 +126,14 @@ class SamplingParams:
         number("min_tokens", 0, INT32_MAX if self.max_tokens is None else self.max_tokens, integer=True)
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "must be non-empty strings")
-        ids_ok = all(is_int(t) and (0 <= t < vocab_size if vocab_size is not None else 0 <= t <= INT32_MAX)
-                     for t in self.stop_token_ids) if isinstance(self.stop_token_ids, tuple) else False
+        ids_ok = (
+            all(
+                is_int(t) and (0 <= t < vocab_size if vocab_size is not None else 0 <= t <= INT32_MAX)
+                for t in self.stop_token_ids
+            )
+            if isinstance(self.stop_token_ids, tuple)
+            else False
+        )
         if not ids_ok:
             fail("stop_token_ids", f"must be token ids in [0, {vocab_size if vocab_size is not None else INT32_MAX})")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS - 2:
@@ -134,8 +142,13 @@ class SamplingParams:
             number("logprobs", 0, max_logprobs, integer=True)
         if self.prompt_logprobs is not None:
             number("prompt_logprobs", 0, max_logprobs, integer=True)
-        for field in ("ignore_eos", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
-                      "include_stop_str_in_output"):
+        for field in (
+            "ignore_eos",
+            "detokenize",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+        ):
             if not isinstance(getattr(self, field), bool):
                 fail(field, "must be true or false")
         if self.stop and not self.detokenize:
@@ -159,8 +172,9 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             number("truncate_prompt_tokens", 1, INT32_MAX, integer=True)
         if self.bad_words is not None:
-            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w.strip()
-                                                                        for w in self.bad_words):
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words
+            ):
                 fail("bad_words", "must be a list of non-blank strings")
             if 2 * len(self.bad_words) > MAX_BAD_WORDS:
                 fail("bad_words", f"may hold at most {MAX_BAD_WORDS // 2} words")

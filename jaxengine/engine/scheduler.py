@@ -288,8 +288,13 @@ class Scheduler:
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
             hashes = self._hashes(seq, step.drafts_of(i))  # checkpoints inside drafts are kept only if accepted
             for pos, kind in checkpoint_policy.plan(
-                seq.num_computed, seq.num_computed + n, page_size=self.page_size, interval=self.retention_interval,
-                prefill_boundary=seq.prefill_boundary, junctions=seq.junctions, grain=self.cache.divergences.grain,
+                seq.num_computed,
+                seq.num_computed + n,
+                page_size=self.page_size,
+                interval=self.retention_interval,
+                prefill_boundary=seq.prefill_boundary,
+                junctions=seq.junctions,
+                grain=self.cache.divergences.grain,
             ):
                 block_hash = hashes[pos // self.page_size - 1]
                 if block_hash not in self.cache.checkpoints:
@@ -434,4 +439,5 @@ class Scheduler:
         assert held == collections.Counter(self.cache.pool.ref_count), "page references are off"
         pins = collections.Counter(seq.restore.node.block_hash for seq in self.running if seq.restore is not None)
         assert pins == collections.Counter({h: c.pins for h, c in self.cache.checkpoints.items() if c.pins}), (
-            "checkpoint pins are off")
+            "checkpoint pins are off"
+        )

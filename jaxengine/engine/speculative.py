@@ -56,7 +56,9 @@ class SpeculativeConfig:
             raise ValueError(f"{where}.method must be one of {', '.join(METHODS)}, got {method!r}")
         model = raw.get("model")
         if method == "draft_model" and not isinstance(model, str):
-            raise ValueError(f"{where}.model must be the draft model's directory for method 'draft_model', got {model!r}")
+            raise ValueError(
+                f"{where}.model must be the draft model's directory for method 'draft_model', got {model!r}"
+            )
         if method != "draft_model" and model is not None:
             raise ValueError(f"{where}.model is only read by method 'draft_model', not {method!r}")
         k = raw.get("num_speculative_tokens")
@@ -198,8 +200,14 @@ class SpeculationGate:
     times as long (`probe_every` x S, up to `max_probe_every` x S): probing then costs about
     the same share of the work at any S."""
 
-    def __init__(self, probe_every: int = 16, smoothing: float = 0.2, max_probe_every: int = 128, window: int = 5,
-                 admit_margin: float = 0.2):
+    def __init__(
+        self,
+        probe_every: int = 16,
+        smoothing: float = 0.2,
+        max_probe_every: int = 128,
+        window: int = 5,
+        admit_margin: float = 0.2,
+    ):
         self.probe_every = probe_every
         self.admit_margin = admit_margin
         self.max_probe_every = max_probe_every
@@ -236,7 +244,8 @@ class SpeculationGate:
         if num_seqs not in self.plain_seconds:
             return False
         off = self.admissions_off.setdefault(
-            num_seqs, ProbeBackoff(self.probe_every * num_seqs, self.max_probe_every * num_seqs))
+            num_seqs, ProbeBackoff(self.probe_every * num_seqs, self.max_probe_every * num_seqs)
+        )
         if self._verify_pays(num_seqs, statistics.median(self.plain_seconds[num_seqs]), self.admit_margin):
             off.reset()
             return True

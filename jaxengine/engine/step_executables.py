@@ -43,15 +43,25 @@ class StoredStepFailed(RuntimeError):
 
 
 def shape_key(batch: StepBatch, sampling: SamplingBatch, decode: bool) -> ShapeKey:
-    return (batch.input_ids.shape[0], batch.kv_lens.shape[0], batch.save_seq.shape[0], decode,
-            sampling.sample_rows.shape[1], sampling.runs_drafter)
+    return (
+        batch.input_ids.shape[0],
+        batch.kv_lens.shape[0],
+        batch.save_seq.shape[0],
+        decode,
+        sampling.sample_rows.shape[1],
+        sampling.runs_drafter,
+    )
 
 
 class StepExecutables:
     """The executables of one runner by shape key."""
 
-    def __init__(self, lower: Callable[[StepBatch, SamplingBatch, bool], jax.stages.Lowered],
-                 file_key: Callable[[StepBatch, SamplingBatch, bool], str], store: StepStore):
+    def __init__(
+        self,
+        lower: Callable[[StepBatch, SamplingBatch, bool], jax.stages.Lowered],
+        file_key: Callable[[StepBatch, SamplingBatch, bool], str],
+        store: StepStore,
+    ):
         self._lower, self._file_key, self.store = lower, file_key, store
         self.ready: dict[ShapeKey, jax.stages.Compiled] = {}
         self.unproven: set[ShapeKey] = set()  # shapes from the store that have yet to run once
@@ -76,8 +86,14 @@ class StepExecutables:
             self.ready[key] = executable
         return executable
 
-    def run(self, batch: StepBatch, sampling: SamplingBatch, decode: bool,
-            call: Callable[[jax.stages.Compiled], T], can_retry: Callable[[], bool]) -> T:
+    def run(
+        self,
+        batch: StepBatch,
+        sampling: SamplingBatch,
+        decode: bool,
+        call: Callable[[jax.stages.Compiled], T],
+        can_retry: Callable[[], bool],
+    ) -> T:
         """`call(executable)` with this batch's step. A step that came from the store (a file,
         or another engine of this process) is waited for at its first run, where a broken one
         shows; if it fails, it is compiled here and replaces the stored one, and `call` runs
@@ -94,8 +110,11 @@ class StepExecutables:
         except Exception as err:
             if key not in self.unproven:
                 raise
-            logger.warning("a stored step executable failed at its first run (%s: %s); compiling it again",
-                           type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            logger.warning(
+                "a stored step executable failed at its first run (%s: %s); compiling it again",
+                type(err).__name__,
+                str(err).splitlines()[0] if str(err) else "",
+            )
             self.unproven.discard(key)
             self.ready[key] = executable = self._compile(batch, sampling, decode)
             self.recompiled_after_failure += 1
@@ -103,8 +122,9 @@ class StepExecutables:
                 raise StoredStepFailed(f"a stored step executable failed and was compiled again: {err}") from err
         return call(executable)
 
-    def prepare(self, items: list[Item], *, later: set[ShapeKey] = frozenset(),
-                progress: Callable[[], None] | None = None) -> None:
+    def prepare(
+        self, items: list[Item], *, later: set[ShapeKey] = frozenset(), progress: Callable[[], None] | None = None
+    ) -> None:
         """Makes every item's shape ready: stored ones are loaded and the others compiled, on
         a few threads; those in `later` that are not stored go to the background thread."""
         todo = [item for item in items if shape_key(*item) not in self.ready]
@@ -118,12 +138,14 @@ class StepExecutables:
             self._queue = [todo[i] for i in waiting]  # in the order given
             # The thread holds this object only while it compiles: an engine that is dropped
             # is freed, and its thread stops after the compile in flight.
-            self._thread = threading.Thread(target=_compile_all, args=(weakref.ref(self),), daemon=True,
-                                            name="jaxengine-compile")
+            self._thread = threading.Thread(
+                target=_compile_all, args=(weakref.ref(self),), daemon=True, name="jaxengine-compile"
+            )
             self._thread.start()
 
-    def _run_all(self, items: list[Item], make: Callable[..., jax.stages.Compiled | None],
-                 progress: Callable[[], None] | None) -> list[int]:
+    def _run_all(
+        self, items: list[Item], make: Callable[..., jax.stages.Compiled | None], progress: Callable[[], None] | None
+    ) -> list[int]:
         """Makes each item's executable with `make` on a few threads; returns the indices of
         those it gave None for."""
         if not items:
@@ -193,8 +215,9 @@ class StepExecutables:
             self.unproven.add(shape_key(batch, sampling, decode))
         return executable
 
-    def _compile(self, batch: StepBatch, sampling: SamplingBatch, decode: bool, *,
-                 waited: bool = True) -> jax.stages.Compiled:
+    def _compile(
+        self, batch: StepBatch, sampling: SamplingBatch, decode: bool, *, waited: bool = True
+    ) -> jax.stages.Compiled:
         """Compiles a shape and stores it; `waited`: an engine could not go on without it (the
         store keeps those for later engines)."""
         start = time.perf_counter()

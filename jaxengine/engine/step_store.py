@@ -93,16 +93,18 @@ def _source_digest() -> str:
 
 def _environment() -> str:
     devices = jax.devices()
-    return repr((
-        jax.__version__,
-        jaxlib.version.__version__,
-        devices[0].client.platform_version,
-        devices[0].platform,
-        devices[0].device_kind,
-        len(devices),
-        os.environ.get("XLA_FLAGS", ""),
-        _source_digest(),
-    ))
+    return repr(
+        (
+            jax.__version__,
+            jaxlib.version.__version__,
+            devices[0].client.platform_version,
+            devices[0].platform,
+            devices[0].device_kind,
+            len(devices),
+            os.environ.get("XLA_FLAGS", ""),
+            _source_digest(),
+        )
+    )
 
 
 def _devices(sharding) -> tuple[int, ...] | None:
@@ -118,8 +120,20 @@ def _avals(tree) -> str:
     leaves, treedef = jax.tree.flatten(tree)
     # The sharding and its devices too: the same shapes split over other devices, or on a
     # data-parallel replica's own devices, are another program.
-    return repr((treedef, [(tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None)),
-                            _devices(getattr(x, "sharding", None))) for x in leaves]))
+    return repr(
+        (
+            treedef,
+            [
+                (
+                    tuple(x.shape),
+                    str(x.dtype),
+                    str(getattr(x, "sharding", None)),
+                    _devices(getattr(x, "sharding", None)),
+                )
+                for x in leaves
+            ],
+        )
+    )
 
 
 class StepStore:
@@ -143,7 +157,8 @@ class StepStore:
             payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
             devices = {d.id: d for d in jax.devices()}
             executable = serialize_executable.deserialize_and_load(
-                payload, in_tree, out_tree, execution_devices=[devices[i] for i in device_ids])
+                payload, in_tree, out_tree, execution_devices=[devices[i] for i in device_ids]
+            )
         except FileNotFoundError:
             return None
         except Exception as err:  # a stale or damaged file: compile again

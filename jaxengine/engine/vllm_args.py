@@ -7,8 +7,14 @@ logger = logging.getLogger("jaxengine")
 
 ALIASES = {"block_size": "page_size"}
 
-DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
-          "float16": "float16", "half": "float16"}
+DTYPES = {
+    "auto": "auto",
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
 
 # Accepted whatever their value: they have no meaning in jaxengine.
 NO_EFFECT = {

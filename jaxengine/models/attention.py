@@ -19,15 +19,25 @@ class Attention(nnx.Module):
     `out_size`: the output projection's width when it is not the input's (Zamba2's shared
     block attends over width 2 * hidden and returns width hidden)."""
 
-    def __init__(self, hidden_size: int, cfg: AttentionConfig, eps: float, *, dtype: jnp.dtype, rngs: nnx.Rngs,
-                 out_size: int | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        cfg: AttentionConfig,
+        eps: float,
+        *,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        out_size: int | None = None,
+    ):
         self.cfg = cfg
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q_out = 2 * q_width if cfg.output_gate else q_width
         self.q_proj = linear(hidden_size, q_out, bias=cfg.bias, dtype=dtype, rngs=rngs, axes=(None, HEADS))
         self.k_proj = linear(hidden_size, kv_width, bias=cfg.bias, dtype=dtype, rngs=rngs, axes=(None, KV_HEADS))
         self.v_proj = linear(hidden_size, kv_width, bias=cfg.bias, dtype=dtype, rngs=rngs, axes=(None, KV_HEADS))
-        self.o_proj = linear(q_width, out_size or hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs, axes=(HEADS, None))
+        self.o_proj = linear(
+            q_width, out_size or hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs, axes=(HEADS, None)
+        )
         if cfg.qk_norm:
             norm = dict(dtype=dtype, weight_offset=cfg.qk_norm_offset)
             self.q_norm = RMSNorm(cfg.head_dim, eps, **norm)
@@ -72,8 +82,15 @@ class Attention(nnx.Module):
             k = apply_rope(k, positions, cfg.rotary_dim, cfg.rope_theta)
         return q, gate, k, v
 
-    def attend(self, q: jax.Array, gate: jax.Array | None, k_pages: jax.Array, v_pages: jax.Array, batch: StepBatch,
-               ops: KernelOps) -> jax.Array:
+    def attend(
+        self,
+        q: jax.Array,
+        gate: jax.Array | None,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        batch: StepBatch,
+        ops: KernelOps,
+    ) -> jax.Array:
         """Ragged paged attention of q over the pages (this step's K/V written), gated -> [T, D]."""
         out = ops.ragged_paged_attention(
             q, k_pages, v_pages, batch.kv_lens, batch.page_table, batch.cu_q_lens, sm_scale=self.cfg.sm_scale

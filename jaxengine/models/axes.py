@@ -29,5 +29,7 @@ def param(value: jax.Array, axes: Axes) -> nnx.Param:
 
 def linear_metadata(inputs: str | None, outputs: str | None) -> dict:
     """`nnx.Linear` keyword arguments declaring its kernel `[in, out]` and bias `[out]` axes."""
-    return dict(kernel_metadata=dict(out_sharding=(inputs, outputs), eager_sharding=False),
-                bias_metadata=dict(out_sharding=(outputs,), eager_sharding=False))
+    return dict(
+        kernel_metadata=dict(out_sharding=(inputs, outputs), eager_sharding=False),
+        bias_metadata=dict(out_sharding=(outputs,), eager_sharding=False),
+    )

@@ -16,7 +16,9 @@ from typing import Any, Literal
 
 from transformers import AutoConfig, PretrainedConfig
 
-Mixer = Literal["attention", "mamba", "mamba1", "gated_delta", "short_conv"]  # the types of `jaxengine/models/mixers.py`
+Mixer = Literal[
+    "attention", "mamba", "mamba1", "gated_delta", "short_conv"
+]  # the types of `jaxengine/models/mixers.py`
 FeedForward = Literal["mlp", "moe"]
 
 
@@ -279,12 +281,19 @@ def _rope(hf: PretrainedConfig, head_dim: int, architecture: str) -> tuple[int, 
     return int(head_dim * factor), theta
 
 
-def _attention(hf: PretrainedConfig, architecture: str, *, use_rope: bool, head_dim: int | None = None) -> AttentionConfig:
+def _attention(
+    hf: PretrainedConfig, architecture: str, *, use_rope: bool, head_dim: int | None = None
+) -> AttentionConfig:
     head_dim = head_dim or getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rotary_dim, theta = _rope(hf, head_dim, architecture) if use_rope else (0, 10000.0)
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     if hf.num_attention_heads % num_kv_heads:
-        _fail(architecture, "num_key_value_heads", num_kv_heads, f"a divisor of num_attention_heads={hf.num_attention_heads}")
+        _fail(
+            architecture,
+            "num_key_value_heads",
+            num_kv_heads,
+            f"a divisor of num_attention_heads={hf.num_attention_heads}",
+        )
     return AttentionConfig(
         num_heads=hf.num_attention_heads,
         num_kv_heads=num_kv_heads,
@@ -366,7 +375,12 @@ def _mamba2(hf: PretrainedConfig) -> ModelConfig:
     arch = "Mamba2ForCausalLM"
     _activation(hf, "hidden_act", arch, ("silu",))
     if hf.num_heads * hf.head_dim != hf.expand * hf.hidden_size:
-        _fail(arch, "num_heads * head_dim", hf.num_heads * hf.head_dim, f"expand * hidden_size = {hf.expand * hf.hidden_size}")
+        _fail(
+            arch,
+            "num_heads * head_dim",
+            hf.num_heads * hf.head_dim,
+            f"expand * hidden_size = {hf.expand * hf.hidden_size}",
+        )
     mamba = MambaConfig(
         num_heads=hf.num_heads,
         head_dim=hf.head_dim,
@@ -506,8 +520,12 @@ def _qwen_gated_delta(hf: PretrainedConfig, arch: str) -> ModelConfig:
         if t not in table:
             _fail(arch, "layer_types", t, ", ".join(table))
     if hf.linear_num_value_heads % hf.linear_num_key_heads:
-        _fail(arch, "linear_num_value_heads", hf.linear_num_value_heads,
-              f"a multiple of linear_num_key_heads={hf.linear_num_key_heads}")
+        _fail(
+            arch,
+            "linear_num_value_heads",
+            hf.linear_num_value_heads,
+            f"a multiple of linear_num_key_heads={hf.linear_num_key_heads}",
+        )
     gated_delta = GatedDeltaConfig(
         num_key_heads=hf.linear_num_key_heads,
         num_value_heads=hf.linear_num_value_heads,
@@ -678,8 +696,12 @@ def _zamba2(hf: PretrainedConfig) -> ModelConfig:
         if t not in table:
             _fail(arch, "layers_block_type", t, ", ".join(table))
     if hf.use_shared_attention_adapter and hf.num_key_value_heads != hf.num_attention_heads:
-        _fail(arch, "num_key_value_heads", hf.num_key_value_heads,
-              f"num_attention_heads={hf.num_attention_heads} (the attention adapters are as wide as the queries)")
+        _fail(
+            arch,
+            "num_key_value_heads",
+            hf.num_key_value_heads,
+            f"num_attention_heads={hf.num_attention_heads} (the attention adapters are as wide as the queries)",
+        )
     layers, uses = [], 0
     for t in hf.layers_block_type:
         block = None
@@ -710,8 +732,9 @@ def _zamba2(hf: PretrainedConfig) -> ModelConfig:
         mamba=mamba,
         mlp=MlpConfig(hf.intermediate_size, act, gated=True, bias=bool(hf.add_bias_linear)),
         moe=None,
-        shared_block=SharedBlockConfig(min(hf.num_mem_blocks, uses), hf.adapter_rank,
-                                       bool(hf.use_shared_attention_adapter)),
+        shared_block=SharedBlockConfig(
+            min(hf.num_mem_blocks, uses), hf.adapter_rank, bool(hf.use_shared_attention_adapter)
+        ),
     )
 
 
@@ -780,8 +803,12 @@ def _with_mtp(cfg: ModelConfig, hf: PretrainedConfig) -> ModelConfig:
     if not n:
         return cfg
     if cfg.attention is None:
-        _fail(cfg.architecture, "mtp_num_hidden_layers", n, "0 (jaxengine reads MTP modules of attention "
-              "models in the Qwen3-Next format)")
+        _fail(
+            cfg.architecture,
+            "mtp_num_hidden_layers",
+            n,
+            "0 (jaxengine reads MTP modules of attention models in the Qwen3-Next format)",
+        )
     if n != 1:
         _fail(cfg.architecture, "mtp_num_hidden_layers", n, "1")
     ffn = "moe" if any(spec.ffn == "moe" for spec in cfg.layers) else "mlp"
@@ -799,8 +826,12 @@ def _nemotron_h_mtp(cfg: ModelConfig, hf: PretrainedConfig) -> ModelConfig:
     kinds = list(hf.mtp_layers_block_type)
     ffn_kinds = ("mlp", "moe") if cfg.moe is not None else ("mlp",)
     if not kinds or kinds[0] != "full_attention" or any(kind not in ffn_kinds for kind in kinds[1:]):
-        _fail(cfg.architecture, "mtp_layers_block_type", kinds,
-              f"'full_attention' followed by any of {', '.join(map(repr, ffn_kinds))}")
+        _fail(
+            cfg.architecture,
+            "mtp_layers_block_type",
+            kinds,
+            f"'full_attention' followed by any of {', '.join(map(repr, ffn_kinds))}",
+        )
     layers = [LayerSpec("attention", None), *(LayerSpec(None, kind) for kind in kinds[1:])]
     return dataclasses.replace(cfg, mtp_layers=tuple(layers))
 

@@ -32,7 +32,9 @@ class DecoderLayer(nnx.Module):
             self.mixer_norm = RMSNorm(cfg.hidden_size, **norm)
         for name in spec.mixers:
             kind = MIXERS[name]
-            setattr(self, name, kind.module(cfg.hidden_size, kind.config(cfg), cfg.rms_norm_eps, dtype=dtype, rngs=rngs))
+            setattr(
+                self, name, kind.module(cfg.hidden_size, kind.config(cfg), cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+            )
         if spec.ffn is not None:
             self.ffn_norm = RMSNorm(cfg.hidden_size, **norm)
         if spec.ffn == "mlp":

@@ -31,8 +31,17 @@ from jaxengine.models.mtp import DraftChooser
 
 
 def draft_model_drafts(
-    draft, pools: Pools, batch: StepBatch, sample_rows: jax.Array, num_drafts: jax.Array, wants_drafts: jax.Array,
-    speculates: jax.Array, sampled: jax.Array, last: jax.Array, choose: DraftChooser, num_speculative_tokens: int,
+    draft,
+    pools: Pools,
+    batch: StepBatch,
+    sample_rows: jax.Array,
+    num_drafts: jax.Array,
+    wants_drafts: jax.Array,
+    speculates: jax.Array,
+    sampled: jax.Array,
+    last: jax.Array,
+    choose: DraftChooser,
+    num_speculative_tokens: int,
     decode: bool,
 ) -> tuple[jax.Array, Pools]:
     """Runs the draft model over the step's tokens when some sequence `speculates` [S] and,
@@ -43,6 +52,7 @@ def draft_model_drafts(
     sample_rows [S, W] flat token indices, num_drafts [S], sampled [S, W]: the step's samples;
     last [S]: each sequence's last accepted sample row (`last_accepted_rows`).
     Returns drafts [S, k] int32 (zeros when none is wanted) and the draft's pools after the step."""
+
     def run(carry):  # the pass over the step's tokens, only when some sequence speculates
         pools, ids = carry
         return draft(pools, dataclasses.replace(batch, input_ids=ids), decode=decode, hidden=True)[1], ids * 0
@@ -62,8 +72,12 @@ def draft_model_drafts(
         read_slots=mini,
         write_slots=mini,
         restore_blocks=batch.restore_blocks[:, :0],
-        save_seq=batch.save_seq[:0], save_pos=batch.save_pos[:0], save_blocks=batch.save_blocks[:0],
-        state_seq=batch.state_seq[:0], state_pos=batch.state_pos[:0], state_slots=batch.state_slots[:0],
+        save_seq=batch.save_seq[:0],
+        save_pos=batch.save_pos[:0],
+        save_blocks=batch.save_blocks[:0],
+        state_seq=batch.state_seq[:0],
+        state_pos=batch.state_pos[:0],
+        state_slots=batch.state_slots[:0],
     )
     slots = _accepted_state_slots(batch, num_drafts, last, sampled.shape[1])  # [S]
 
@@ -79,12 +93,14 @@ def draft_model_drafts(
         drafts, k_pages, v_pages, slots = carry  # so that gathering the small pool stays inside
         small = tuple(tuple(jnp.concatenate([a[:1], a[slots]]) for a in layer) for layer in pools.states)
         _, drafts, k_pages, v_pages, _ = jax.lax.fori_loop(
-            0, num_speculative_tokens, one_token, (first_token, drafts, k_pages, v_pages, small))
+            0, num_speculative_tokens, one_token, (first_token, drafts, k_pages, v_pages, small)
+        )
         return drafts, k_pages, v_pages, slots * 0
 
     drafts = jnp.zeros((num_seqs, num_speculative_tokens), jnp.int32)
     drafts, k_pages, v_pages, _ = if_in_place(
-        jnp.any(wants_drafts), drafting, (drafts, pools.k_pages, pools.v_pages, slots))
+        jnp.any(wants_drafts), drafting, (drafts, pools.k_pages, pools.v_pages, slots)
+    )
     return drafts, dataclasses.replace(pools, k_pages=k_pages, v_pages=v_pages)
 
 

@@ -21,7 +21,9 @@ def gated_delta_state(cfg: GatedDeltaConfig) -> tuple[StateArray, ...]:
     """The per-sequence state: the conv window over q | k | v and the delta-rule state (float32)."""
     return (
         StateArray("conv", (cfg.conv_dim, cfg.conv_kernel), float32=False, split_axis=0),
-        StateArray("recurrent", (cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim), float32=True, split_axis=0),
+        StateArray(
+            "recurrent", (cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim), float32=True, split_axis=0
+        ),
     )
 
 
@@ -42,8 +44,9 @@ class GatedDeltaMixer(nnx.Module):
     def __init__(self, hidden_size: int, cfg: GatedDeltaConfig, eps: float, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         heads = cfg.num_value_heads
-        self.in_proj = linear(hidden_size, cfg.projection_size, bias=False, dtype=dtype, rngs=rngs,
-                              axes=(None, RECURRENT))
+        self.in_proj = linear(
+            hidden_size, cfg.projection_size, bias=False, dtype=dtype, rngs=rngs, axes=(None, RECURRENT)
+        )
         self.conv_weight = param(jnp.zeros((cfg.conv_dim, cfg.conv_kernel), dtype), (RECURRENT, None))  # [conv_dim, K]
         self.dt_bias = param(jnp.zeros((heads,), dtype), (RECURRENT,))
         self.A_log = param(jnp.zeros((heads,), dtype), (RECURRENT,))
@@ -97,7 +100,8 @@ class GatedDeltaMixer(nnx.Module):
                 lambda seq, pos, window: gated_delta_states_at(
                     k, v, g, beta, state_in, batch.cu_q_lens, layout.start_pos, scan, seq, pos, window=window
                 ),
-                batch, ops.scan_row(cfg.chunk_size),
+                batch,
+                ops.scan_row(cfg.chunk_size),
             )
             saved, at_drafts = (save_conv, save_state), (conv_drafts, state_drafts)
         o = self.norm(o.astype(x.dtype), z.reshape(num_tokens, heads, dv))

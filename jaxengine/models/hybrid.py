@@ -33,16 +33,25 @@ class HybridLM(nnx.Module):
         self.embed = param(jnp.zeros((cfg.vocab_size, cfg.hidden_size), dtype), (VOCAB, None))  # [V, D]
         self.layers = nnx.List([DecoderLayer(cfg, spec, dtype=dtype, rngs=rngs) for spec in cfg.layers])
         if cfg.shared_block:
-            self.shared_blocks = nnx.List([SharedBlock(cfg, dtype=dtype, rngs=rngs)
-                                           for _ in range(cfg.shared_block.num_blocks)])
+            self.shared_blocks = nnx.List(
+                [SharedBlock(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.shared_block.num_blocks)]
+            )
         self.final_norm = RMSNorm(cfg.hidden_size, **norm_settings(cfg, dtype))
         if not cfg.tie_word_embeddings:
-            self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs, axes=(None, VOCAB))
+            self.lm_head = linear(
+                cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs, axes=(None, VOCAB)
+            )
         self.mtp = Mtp(cfg, dtype=dtype, rngs=rngs) if cfg.mtp_layers else None
 
     def __call__(
-        self, pools: Pools, batch: StepBatch, *, decode: bool = False, all_logits: bool = False,
-        rows: jax.Array | None = None, hidden: bool = False,
+        self,
+        pools: Pools,
+        batch: StepBatch,
+        *,
+        decode: bool = False,
+        all_logits: bool = False,
+        rows: jax.Array | None = None,
+        hidden: bool = False,
     ) -> tuple[jax.Array, Pools]:
         """Runs one ragged step.
 
@@ -76,7 +85,9 @@ class HybridLM(nnx.Module):
             if layer.spec.shared_block is not None:
                 k, v = 2 * attn_i, 2 * attn_i + 1
                 block = self.shared_blocks[layer.spec.shared_block]
-                added, store[k], store[v] = block(h, embeddings, store[k], store[v], layer.shared_use, batch, layout, ops)
+                added, store[k], store[v] = block(
+                    h, embeddings, store[k], store[v], layer.shared_use, batch, layout, ops
+                )
                 x = h + added
                 attn_i += 1
             x = layer.mixer_norm(x) if layer.spec.mixers else None

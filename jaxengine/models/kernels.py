@@ -157,8 +157,11 @@ class Op:
 
 OPS: dict[str, Op] = {
     "ragged_paged_attention": Op(
-        ragged_paged_attention, attention_tpu.ragged_paged_attention, attention_gpu.ragged_paged_attention,
-        gpu_fits=_gpu_attention_fits, heads=_attention_heads,
+        ragged_paged_attention,
+        attention_tpu.ragged_paged_attention,
+        attention_gpu.ragged_paged_attention,
+        gpu_fits=_gpu_attention_fits,
+        heads=_attention_heads,
     ),
     "write_kv_pages": Op(write_kv_pages),
     "ragged_ssd_scan": Op(
@@ -168,13 +171,20 @@ OPS: dict[str, Op] = {
     "ragged_causal_conv1d": Op(ragged_causal_conv1d),
     "causal_conv1d_update": Op(causal_conv1d_update),
     "ragged_gated_delta": Op(
-        reference_gated_delta, gated_delta_tpu.ragged_gated_delta, gated_delta_gpu.ragged_gated_delta,
-        _tpu_gated_delta_fits, _gpu_gated_delta_fits, _gated_delta_heads,
+        reference_gated_delta,
+        gated_delta_tpu.ragged_gated_delta,
+        gated_delta_gpu.ragged_gated_delta,
+        _tpu_gated_delta_fits,
+        _gpu_gated_delta_fits,
+        _gated_delta_heads,
     ),
     "gated_delta_update": Op(gated_delta_update),
     "ragged_selective_scan": Op(
-        reference_selective_scan, selective_tpu.ragged_selective_scan, selective_gpu.ragged_selective_scan,
-        gpu_fits=_gpu_selective_fits, heads=_selective_heads,
+        reference_selective_scan,
+        selective_tpu.ragged_selective_scan,
+        selective_gpu.ragged_selective_scan,
+        gpu_fits=_gpu_selective_fits,
+        heads=_selective_heads,
     ),
     "selective_state_update": Op(selective_state_update),
 }
@@ -220,8 +230,9 @@ def on_each_device(local: Callable, whole: Callable, heads: HeadSplit, tp: int) 
             return whole(*args, **kwargs)
         in_axes, out_axes = axes
         out_specs = type(out_axes)(*map(spec, out_axes)) if isinstance(out_axes, tuple) else spec(out_axes)
-        fn = jax.shard_map(functools.partial(local, **kwargs), in_specs=tuple(map(spec, in_axes)),
-                           out_specs=out_specs, check_vma=False)
+        fn = jax.shard_map(
+            functools.partial(local, **kwargs), in_specs=tuple(map(spec, in_axes)), out_specs=out_specs, check_vma=False
+        )
         return fn(*args)
 
     return call
@@ -256,7 +267,9 @@ def kernel_ops(name: str) -> KernelOps:
             kernel = getattr(op, platform)
             fns[n] = functools.partial(kernel, interpret=True) if kernel else op.reference
     elif backend not in ("tpu", "gpu"):
-        raise ValueError(f"kernels='pallas' needs a TPU or GPU backend, this one is {backend!r}; use 'auto' or 'reference'")
+        raise ValueError(
+            f"kernels='pallas' needs a TPU or GPU backend, this one is {backend!r}; use 'auto' or 'reference'"
+        )
     else:
         for n, op in OPS.items():
             kernel, fits = getattr(op, backend), getattr(op, f"{backend}_fits")
@@ -268,6 +281,10 @@ def kernel_ops(name: str) -> KernelOps:
                 fns[n] = _with_fallback(kernel, op.reference, fits)
     tp = _mesh_model_size()
     if tp > 1:
-        fns = {n: on_each_device(fn, OPS[n].reference, OPS[n].heads, tp) if OPS[n].heads and fn is not OPS[n].reference
-               else fn for n, fn in fns.items()}
+        fns = {
+            n: on_each_device(fn, OPS[n].reference, OPS[n].heads, tp)
+            if OPS[n].heads and fn is not OPS[n].reference
+            else fn
+            for n, fn in fns.items()
+        }
     return KernelOps(fns, _whole_chunk)

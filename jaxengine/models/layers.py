@@ -8,18 +8,27 @@ from jaxengine.models.axes import EXPERT_MLP, EXPERTS, MLP, linear_metadata, par
 from jaxengine.models.config import MlpConfig, ModelConfig, MoeConfig
 
 
-def linear(in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs,
-           axes: tuple[str | None, str | None] = (None, None)) -> nnx.Linear:
+def linear(
+    in_features: int,
+    out_features: int,
+    *,
+    bias: bool,
+    dtype: jnp.dtype,
+    rngs: nnx.Rngs,
+    axes: tuple[str | None, str | None] = (None, None),
+) -> nnx.Linear:
     """A dense layer whose kernel is `[in, out]` (Hugging Face stores `[out, in]`); `axes`:
     the logical axes of its input and output features (`axes.py`; None: replicated)."""
-    return nnx.Linear(in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                      **linear_metadata(*axes))
+    return nnx.Linear(
+        in_features, out_features, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs, **linear_metadata(*axes)
+    )
 
 
 def norm_settings(cfg: ModelConfig, dtype: jnp.dtype) -> dict:
     """The keyword arguments of the model's residual-stream RMS norms."""
-    return dict(eps=cfg.rms_norm_eps, dtype=dtype, weight_in_fp32=cfg.norm_weight_in_fp32,
-                weight_offset=cfg.norm_weight_offset)
+    return dict(
+        eps=cfg.rms_norm_eps, dtype=dtype, weight_in_fp32=cfg.norm_weight_in_fp32, weight_offset=cfg.norm_weight_offset
+    )
 
 
 class RMSNorm(nnx.Module):
@@ -27,8 +36,9 @@ class RMSNorm(nnx.Module):
     back (Nemotron-H) instead of after (Llama and most others); `weight_offset=1` scales by
     `1 + weight` (zero-centred weights, Qwen3-Next and Qwen3.5), in float32 too."""
 
-    def __init__(self, size: int, eps: float, *, dtype: jnp.dtype, weight_in_fp32: bool = False,
-                 weight_offset: float = 0.0):
+    def __init__(
+        self, size: int, eps: float, *, dtype: jnp.dtype, weight_in_fp32: bool = False, weight_offset: float = 0.0
+    ):
         self.weight = nnx.Param(jnp.full((size,), 1.0 - weight_offset, dtype))
         self.eps = eps
         self.weight_in_fp32 = weight_in_fp32 or weight_offset != 0.0
@@ -47,8 +57,9 @@ class GatedRMSNorm(nnx.Module):
     then the norm; Mamba2, Bamba) or, with `norm_first`, the norm then the gate (Falcon-H1's
     `mamba_norm_before_gate`, in float32 throughout as its reference computes it)."""
 
-    def __init__(self, size: int, groups: int, eps: float, *, dtype: jnp.dtype, norm_first: bool = False,
-                 axis: str | None = None):
+    def __init__(
+        self, size: int, groups: int, eps: float, *, dtype: jnp.dtype, norm_first: bool = False, axis: str | None = None
+    ):
         self.weight = param(jnp.ones((size,), dtype), (axis,))
         self.groups = groups
         self.eps = eps
@@ -111,12 +122,15 @@ class Mlp(nnx.Module):
     def __init__(self, hidden_size: int, cfg: MlpConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         if cfg.gated:
-            self.gate_proj = linear(hidden_size, cfg.intermediate_size, bias=cfg.bias, dtype=dtype, rngs=rngs,
-                                    axes=(None, MLP))
-        self.up_proj = linear(hidden_size, cfg.intermediate_size, bias=cfg.bias, dtype=dtype, rngs=rngs,
-                              axes=(None, MLP))
-        self.down_proj = linear(cfg.intermediate_size, hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs,
-                                axes=(MLP, None))
+            self.gate_proj = linear(
+                hidden_size, cfg.intermediate_size, bias=cfg.bias, dtype=dtype, rngs=rngs, axes=(None, MLP)
+            )
+        self.up_proj = linear(
+            hidden_size, cfg.intermediate_size, bias=cfg.bias, dtype=dtype, rngs=rngs, axes=(None, MLP)
+        )
+        self.down_proj = linear(
+            cfg.intermediate_size, hidden_size, bias=cfg.bias, dtype=dtype, rngs=rngs, axes=(MLP, None)
+        )
 
     def __call__(self, x: jax.Array, gate_up_delta: jax.Array | None = None) -> jax.Array:  # [T, D] -> [T, D]
         """`gate_up_delta` [T, 2 * I], when given, is added to the gate | up projections (a
@@ -172,7 +186,9 @@ class Moe(nnx.Module):
             grouped = choice.reshape(num_tokens, cfg.n_group, e // cfg.n_group)
             group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, n_group]
             _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
-            group_mask = jnp.zeros_like(group_scores, dtype=bool).at[jnp.arange(num_tokens)[:, None], top_groups].set(True)
+            group_mask = (
+                jnp.zeros_like(group_scores, dtype=bool).at[jnp.arange(num_tokens)[:, None], top_groups].set(True)
+            )
             expert_mask = jnp.repeat(group_mask, e // cfg.n_group, axis=-1)
             _, top_idx = jax.lax.top_k(jnp.where(expert_mask, choice, -jnp.inf), cfg.top_k)
             weights = jnp.take_along_axis(scores, top_idx, axis=-1)

@@ -156,10 +156,20 @@ def _falcon_h1_scale(m: re.Match, cfg: ModelConfig) -> np.ndarray:
     scales both, the input multiplier only the weight."""
     mup = cfg.mup
     proj, leaf = m.string.split(".")[-2:]
-    out = {"in_proj": _mup_vector(cfg), "out_proj": mup.ssm_out, "k_proj": mup.key, "o_proj": mup.attention_out,
-           "gate_proj": mup.mlp_gate, "down_proj": mup.mlp_down}.get(proj, 1.0)
-    inp = {"in_proj": mup.ssm_in, "q_proj": mup.attention_in, "k_proj": mup.attention_in,
-           "v_proj": mup.attention_in}.get(proj, 1.0)
+    out = {
+        "in_proj": _mup_vector(cfg),
+        "out_proj": mup.ssm_out,
+        "k_proj": mup.key,
+        "o_proj": mup.attention_out,
+        "gate_proj": mup.mlp_gate,
+        "down_proj": mup.mlp_down,
+    }.get(proj, 1.0)
+    inp = {
+        "in_proj": mup.ssm_in,
+        "q_proj": mup.attention_in,
+        "k_proj": mup.attention_in,
+        "v_proj": mup.attention_in,
+    }.get(proj, 1.0)
     out = np.asarray(out, np.float32)
     return out.reshape(-1, 1) * np.float32(inp) if leaf == "weight" else out
 
@@ -205,8 +215,12 @@ def _jamba_rules() -> list[Rule]:
         Rule(ff + r"router\.weight$", _layer("moe/router"), "linear"),
         Rule(ff + r"experts\.gate_up_proj$", _layer("moe/experts_up"), "experts"),
         Rule(ff + r"experts\.down_proj$", _layer("moe/experts_down"), "experts"),
-        Rule(ff + r"experts\.(?P<expert>\d+)\.(?P<half>gate|up)_proj\.weight$", _layer("moe/experts_up"), "columns",
-             _expert_half),
+        Rule(
+            ff + r"experts\.(?P<expert>\d+)\.(?P<half>gate|up)_proj\.weight$",
+            _layer("moe/experts_up"),
+            "columns",
+            _expert_half,
+        ),
         Rule(ff + r"experts\.(?P<expert>\d+)\.down_proj\.weight$", _layer("moe/experts_down"), "expert"),
     ]
 
@@ -221,18 +235,31 @@ def _zamba2_rules() -> list[Rule]:
         Rule(st + r"input_layernorm\.weight$", _shared_block("input_norm/weight")),
         Rule(st + r"pre_ff_layernorm\.weight$", _shared_block("ffn_norm/weight")),
         Rule(st + r"self_attn\.(?P<sub>[qkvo]_proj)\.weight$", _shared_block("attention/{sub}/kernel"), "linear"),
-        Rule(st + r"feed_forward\.gate_up_proj\.weight$",
-             lambda m, cfg: [*_shared_block("mlp/gate_proj/kernel")(m, cfg), *_shared_block("mlp/up_proj/kernel")(m, cfg)],
-             "split"),
-        Rule(st + r"feed_forward\.gate_up_proj\.bias$",
-             lambda m, cfg: [*_shared_block("mlp/gate_proj/bias")(m, cfg), *_shared_block("mlp/up_proj/bias")(m, cfg)],
-             "split"),
+        Rule(
+            st + r"feed_forward\.gate_up_proj\.weight$",
+            lambda m, cfg: [
+                *_shared_block("mlp/gate_proj/kernel")(m, cfg),
+                *_shared_block("mlp/up_proj/kernel")(m, cfg),
+            ],
+            "split",
+        ),
+        Rule(
+            st + r"feed_forward\.gate_up_proj\.bias$",
+            lambda m, cfg: [*_shared_block("mlp/gate_proj/bias")(m, cfg), *_shared_block("mlp/up_proj/bias")(m, cfg)],
+            "split",
+        ),
         Rule(st + r"feed_forward\.down_proj\.weight$", _shared_block("mlp/down_proj/kernel"), "linear"),
         Rule(st + r"feed_forward\.down_proj\.bias$", _shared_block("mlp/down_proj/bias")),
-        Rule(st + r"self_attn\.linear_(?P<p>[qkv])_adapter_list\.(?P<use>\d+)\.(?P<half>[01])\.weight$",
-             _block_use("{p}/{half}/kernel"), "linear"),
-        Rule(st + r"feed_forward\.gate_up_proj_adapter_list\.(?P<use>\d+)\.(?P<half>[01])\.weight$",
-             _block_use("gate_up/{half}/kernel"), "linear"),
+        Rule(
+            st + r"self_attn\.linear_(?P<p>[qkv])_adapter_list\.(?P<use>\d+)\.(?P<half>[01])\.weight$",
+            _block_use("{p}/{half}/kernel"),
+            "linear",
+        ),
+        Rule(
+            st + r"feed_forward\.gate_up_proj_adapter_list\.(?P<use>\d+)\.(?P<half>[01])\.weight$",
+            _block_use("gate_up/{half}/kernel"),
+            "linear",
+        ),
     ]
 
 
@@ -259,8 +286,12 @@ def _gated_delta_columns(m: re.Match, cfg: ModelConfig) -> tuple[int, int, np.nd
     if proj == "ba":
         grouped = np.arange(2 * hv).reshape(g.num_key_heads, 2 * ratio)
         return g.conv_dim + vd, 2 * hv, np.concatenate([grouped[:, :ratio].ravel(), grouped[:, ratio:].ravel()])
-    start, width = {"qkv": (0, g.conv_dim), "z": (g.conv_dim, vd), "b": (g.conv_dim + vd, hv),
-                    "a": (g.conv_dim + vd + hv, hv)}[proj]
+    start, width = {
+        "qkv": (0, g.conv_dim),
+        "z": (g.conv_dim, vd),
+        "b": (g.conv_dim + vd, hv),
+        "a": (g.conv_dim + vd + hv, hv),
+    }[proj]
     return start, width, None
 
 
@@ -273,14 +304,20 @@ def _expert_half(m: re.Match, cfg: ModelConfig) -> tuple[int, int, None]:
 def _qwen_rules() -> list[Rule]:
     la = _QWEN_L + r"linear_attn\."
     return [
-        *_embed_and_head(r"model\.(?:language_model\.)?embed_tokens\.weight", r"model\.(?:language_model\.)?norm\.weight"),
+        *_embed_and_head(
+            r"model\.(?:language_model\.)?embed_tokens\.weight", r"model\.(?:language_model\.)?norm\.weight"
+        ),
         Rule(_QWEN_L + r"input_layernorm\.weight$", _layer("mixer_norm/weight")),
         Rule(_QWEN_L + r"post_attention_layernorm\.weight$", _layer("ffn_norm/weight")),
         Rule(_QWEN_L + r"self_attn\.(?P<sub>[qkvo]_proj)\.weight$", _layer("attention/{sub}/kernel"), "linear"),
         Rule(_QWEN_L + r"self_attn\.(?P<sub>[qkvo]_proj)\.bias$", _layer("attention/{sub}/bias")),
         Rule(_QWEN_L + r"self_attn\.(?P<sub>[qk]_norm)\.weight$", _layer("attention/{sub}/weight")),
-        Rule(la + r"in_proj_(?P<proj>qkvz|ba|qkv|z|b|a)\.weight$", _layer("gated_delta/in_proj/kernel"), "columns",
-             _gated_delta_columns),
+        Rule(
+            la + r"in_proj_(?P<proj>qkvz|ba|qkv|z|b|a)\.weight$",
+            _layer("gated_delta/in_proj/kernel"),
+            "columns",
+            _gated_delta_columns,
+        ),
         Rule(la + r"conv1d\.weight$", _layer("gated_delta/conv_weight"), "conv"),
         Rule(la + r"(?P<p>dt_bias|A_log)$", _layer("gated_delta/{p}")),
         Rule(la + r"norm\.weight$", _layer("gated_delta/norm/weight")),
@@ -289,11 +326,18 @@ def _qwen_rules() -> list[Rule]:
         Rule(_QWEN_L + r"mlp\.gate\.weight$", _layer("moe/router"), "linear"),
         Rule(_QWEN_L + r"mlp\.experts\.gate_up_proj$", _layer("moe/experts_up"), "experts"),
         Rule(_QWEN_L + r"mlp\.experts\.down_proj$", _layer("moe/experts_down"), "experts"),
-        Rule(_QWEN_L + r"mlp\.experts\.(?P<expert>\d+)\.(?P<half>gate|up)_proj\.weight$", _layer("moe/experts_up"),
-             "columns", _expert_half),
+        Rule(
+            _QWEN_L + r"mlp\.experts\.(?P<expert>\d+)\.(?P<half>gate|up)_proj\.weight$",
+            _layer("moe/experts_up"),
+            "columns",
+            _expert_half,
+        ),
         Rule(_QWEN_L + r"mlp\.experts\.(?P<expert>\d+)\.down_proj\.weight$", _layer("moe/experts_down"), "expert"),
-        Rule(_QWEN_L + r"mlp\.shared_expert\.(?P<sub>gate_proj|up_proj|down_proj)\.weight$",
-             _layer("moe/shared/{sub}/kernel"), "linear"),
+        Rule(
+            _QWEN_L + r"mlp\.shared_expert\.(?P<sub>gate_proj|up_proj|down_proj)\.weight$",
+            _layer("moe/shared/{sub}/kernel"),
+            "linear",
+        ),
         Rule(_QWEN_L + r"mlp\.shared_expert_gate\.weight$", _layer("moe/shared_gate"), "linear"),
     ]
 
@@ -323,9 +367,21 @@ RULES: dict[str, list[Rule]] = {
         *_attn("self_attn"),
         *_MAMBA,
         Rule(_L + r"block_sparse_moe\.router\.(?:layer\.)?weight$", _layer("moe/router"), "linear"),
-        Rule(_L + r"block_sparse_moe\.(?:input_linear\.weight|experts\.gate_up_proj)$", _layer("moe/experts_up"), "experts"),
-        Rule(_L + r"block_sparse_moe\.(?:output_linear\.weight|experts\.down_proj)$", _layer("moe/experts_down"), "experts"),
-        Rule(_L + r"shared_mlp\.input_linear\.weight$", _split("{ffn}/{shared}/gate_proj/kernel", "{ffn}/{shared}/up_proj/kernel"), "split"),
+        Rule(
+            _L + r"block_sparse_moe\.(?:input_linear\.weight|experts\.gate_up_proj)$",
+            _layer("moe/experts_up"),
+            "experts",
+        ),
+        Rule(
+            _L + r"block_sparse_moe\.(?:output_linear\.weight|experts\.down_proj)$",
+            _layer("moe/experts_down"),
+            "experts",
+        ),
+        Rule(
+            _L + r"shared_mlp\.input_linear\.weight$",
+            _split("{ffn}/{shared}/gate_proj/kernel", "{ffn}/{shared}/up_proj/kernel"),
+            "split",
+        ),
         Rule(_L + r"shared_mlp\.output_linear\.weight$", _layer("{ffn}/{shared}/down_proj/kernel"), "linear"),
     ],
     "NemotronHForCausalLM": [
@@ -340,7 +396,11 @@ RULES: dict[str, list[Rule]] = {
         Rule(_L + r"mixer\.experts\.(?P<expert>\d+)\.down_proj\.weight$", _layer("moe/experts_down"), "expert"),
         Rule(_L + r"mixer\.experts\.up_proj$", _layer("moe/experts_up"), "experts"),
         Rule(_L + r"mixer\.experts\.down_proj$", _layer("moe/experts_down"), "experts"),
-        Rule(_L + r"mixer\.shared_experts\.(?P<sub>up_proj|down_proj)\.weight$", _layer("moe/shared/{sub}/kernel"), "linear"),
+        Rule(
+            _L + r"mixer\.shared_experts\.(?P<sub>up_proj|down_proj)\.weight$",
+            _layer("moe/shared/{sub}/kernel"),
+            "linear",
+        ),
     ],
     "Lfm2ForCausalLM": [
         *_embed_and_head(r"model\.embed_tokens\.weight", r"model\.embedding_norm\.weight"),
@@ -374,10 +434,14 @@ NEMOTRON_MTP_NAMES = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hi
 
 MTP_RULES = [
     Rule(r"^mtp\.(?:layers\.0\.eh_proj|fc)\.weight$", _top("mtp", "fc", "kernel"), "linear"),
-    Rule(r"^mtp\.(?P<norm>pre_fc_norm_embedding|pre_fc_norm_hidden|norm)\.weight$",
-         lambda m, cfg: [("mtp", m.group("norm"), "weight")]),
-    Rule(r"^mtp\.layers\.\d+\.(?P<norm>enorm|hnorm|final_layernorm)\.weight$",
-         lambda m, cfg: [("mtp", NEMOTRON_MTP_NAMES[m.group("norm")], "weight")]),
+    Rule(
+        r"^mtp\.(?P<norm>pre_fc_norm_embedding|pre_fc_norm_hidden|norm)\.weight$",
+        lambda m, cfg: [("mtp", m.group("norm"), "weight")],
+    ),
+    Rule(
+        r"^mtp\.layers\.\d+\.(?P<norm>enorm|hnorm|final_layernorm)\.weight$",
+        lambda m, cfg: [("mtp", NEMOTRON_MTP_NAMES[m.group("norm")], "weight")],
+    ),
 ]
 
 # Tensors a checkpoint may carry that serving its text model does not use: rotary tables,
@@ -492,8 +556,11 @@ def params_from_hf(model_dir: Path, cfg: ModelConfig, abstract_state: nnx.State)
                 filled[path] = value
     for found, count in ignored.items():
         if found == "mtp.":
-            logger.info("%s: %d tensors mtp.* not loaded (the MTP draft module: speculative_config method 'mtp' "
-                        "uses it)", model_dir, count)
+            logger.info(
+                "%s: %d tensors mtp.* not loaded (the MTP draft module: speculative_config method 'mtp' uses it)",
+                model_dir,
+                count,
+            )
         elif found not in ("rotary_emb.inv_freq", "mamba.mup_vector"):
             logger.info("%s: %d tensors %s* not loaded (not used to serve the text model)", model_dir, count, found)
     for path, pieces in parts.items():
@@ -515,15 +582,18 @@ def _rule_for(name: str, cfg: ModelConfig, rules: list[Rule]) -> tuple[Rule | No
         own = any(re.search(r.pattern, name) for r in MTP_RULES)
         if name.startswith("mtp.layers.") and not own:
             inner = "model." + name.removeprefix("mtp.")  # mtp.layers.N.x -> model.layers.N.x
-            rule, match, targets = _rule_for(inner, dataclasses.replace(cfg, layers=cfg.mtp_layers, mtp_layers=()), rules)
+            rule, match, targets = _rule_for(
+                inner, dataclasses.replace(cfg, layers=cfg.mtp_layers, mtp_layers=()), rules
+            )
             return rule, match, [("mtp", *t) for t in targets]
         rules = MTP_RULES
     rule, match = next(((r, m) for r in rules if (m := re.search(r.pattern, name))), (None, None))
     return rule, match, rule.targets(match, cfg) if rule else []
 
 
-def _assemble(model_dir: Path, path: Path_, pieces: dict[tuple[int | None, int], np.ndarray],
-              shape: tuple[int, ...]) -> np.ndarray:
+def _assemble(
+    model_dir: Path, path: Path_, pieces: dict[tuple[int | None, int], np.ndarray], shape: tuple[int, ...]
+) -> np.ndarray:
     """A parameter of `shape` from its column pieces, per expert if it is stacked; an error
     naming the parameter for missing experts or columns."""
     name = "/".join(map(str, path))
@@ -567,7 +637,11 @@ def _unflat(flat: dict[Path_, object]) -> dict:
 
 
 def load_model(
-    model_dir: str | Path, dtype: str = "float32", kernels: str = "auto", *, mtp: bool = False,
+    model_dir: str | Path,
+    dtype: str = "float32",
+    kernels: str = "auto",
+    *,
+    mtp: bool = False,
     place: Callable[[nnx.Variable], jax.sharding.Sharding] | None = None,
 ) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
     """Loads a model directory (Hugging Face, or converted by `jaxengine convert`), with its
@@ -600,8 +674,9 @@ def save_params(state: nnx.State, out_dir: Path) -> None:
         ckptr.save((Path(out_dir) / CONVERTED_PARAMS_DIR).absolute(), state.to_pure_dict())
 
 
-def restore_params(path: Path, abstract_state: nnx.State,
-                   place: Callable[[nnx.Variable], jax.sharding.Sharding] | None = None) -> dict:
+def restore_params(
+    path: Path, abstract_state: nnx.State, place: Callable[[nnx.Variable], jax.sharding.Sharding] | None = None
+) -> dict:
     """Restores parameters stored by `save_params`, with the abstract state's shapes and dtypes,
     each in the sharding `place` gives it (default: the default device)."""
 

@@ -35,7 +35,9 @@ class Mamba1Mixer(nnx.Module):
     def __init__(self, hidden_size: int, cfg: Mamba1Config, eps: float, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         inner, rank, n = cfg.intermediate_size, cfg.dt_rank, cfg.state_size
-        self.in_proj = linear(hidden_size, 2 * inner, bias=cfg.proj_bias, dtype=dtype, rngs=rngs, axes=(None, RECURRENT))
+        self.in_proj = linear(
+            hidden_size, 2 * inner, bias=cfg.proj_bias, dtype=dtype, rngs=rngs, axes=(None, RECURRENT)
+        )
         self.conv_weight = param(jnp.zeros((inner, cfg.conv_kernel), dtype), (RECURRENT, None))  # [d, K]
         if cfg.conv_bias:
             self.conv_bias = param(jnp.zeros((inner,), dtype), (RECURRENT,))
@@ -90,7 +92,8 @@ class Mamba1Mixer(nnx.Module):
                 lambda seq, pos, window: selective_states_at(
                     u, dt, A, B, state_in, batch.cu_q_lens, layout.start_pos, scan, seq, pos, window=window
                 ),
-                batch, ops.scan_row(cfg.chunk_size),
+                batch,
+                ops.scan_row(cfg.chunk_size),
             )
             saved, at_drafts = (save_conv, save_ssm), (conv_drafts, ssm_drafts)
 

@@ -33,8 +33,14 @@ class Mamba2Mixer(nnx.Module):
     def __init__(self, hidden_size: int, cfg: MambaConfig, eps: float, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         inner, heads = cfg.intermediate_size, cfg.num_heads
-        self.in_proj = linear(hidden_size, inner + cfg.conv_dim + heads, bias=cfg.proj_bias, dtype=dtype, rngs=rngs,
-                              axes=(None, RECURRENT))
+        self.in_proj = linear(
+            hidden_size,
+            inner + cfg.conv_dim + heads,
+            bias=cfg.proj_bias,
+            dtype=dtype,
+            rngs=rngs,
+            axes=(None, RECURRENT),
+        )
         self.conv_weight = param(jnp.zeros((cfg.conv_dim, cfg.conv_kernel), dtype), (RECURRENT, None))  # [conv_dim, K]
         if cfg.conv_bias:
             self.conv_bias = param(jnp.zeros((cfg.conv_dim,), dtype), (RECURRENT,))
@@ -43,9 +49,12 @@ class Mamba2Mixer(nnx.Module):
         self.D = param(jnp.zeros((heads,), dtype), (RECURRENT,))
         if cfg.gated_norm != "none":
             norm_eps = eps if cfg.norm_eps is None else cfg.norm_eps
-            self.norm = GatedRMSNorm(inner, cfg.n_groups, norm_eps, dtype=dtype, norm_first=cfg.gated_norm == "norm_first",
-                                     axis=RECURRENT)
-        self.out_proj = linear(inner, hidden_size, bias=cfg.out_proj_bias, dtype=dtype, rngs=rngs, axes=(RECURRENT, None))
+            self.norm = GatedRMSNorm(
+                inner, cfg.n_groups, norm_eps, dtype=dtype, norm_first=cfg.gated_norm == "norm_first", axis=RECURRENT
+            )
+        self.out_proj = linear(
+            inner, hidden_size, bias=cfg.out_proj_bias, dtype=dtype, rngs=rngs, axes=(RECURRENT, None)
+        )
 
     def __call__(
         self,
@@ -90,7 +99,8 @@ class Mamba2Mixer(nnx.Module):
                 lambda seq, pos, window: ssd_states_at(
                     xs, dt, A, B, state_in, batch.cu_q_lens, layout.start_pos, scan, seq, pos, window=window
                 ),
-                batch, ops.scan_row(cfg.chunk_size),
+                batch,
+                ops.scan_row(cfg.chunk_size),
             )
             saved, at_drafts = (save_conv, save_ssm), (conv_drafts, ssm_drafts)
 
@@ -108,5 +118,8 @@ class Mamba2Mixer(nnx.Module):
         inner, gn = cfg.intermediate_size, cfg.n_groups * cfg.state_size
         xs, B, C = jnp.split(xbc, [inner, inner + gn], axis=-1)
         n = xbc.shape[0]
-        return (xs.reshape(n, cfg.num_heads, cfg.head_dim), B.reshape(n, cfg.n_groups, cfg.state_size),
-                C.reshape(n, cfg.n_groups, cfg.state_size))
+        return (
+            xs.reshape(n, cfg.num_heads, cfg.head_dim),
+            B.reshape(n, cfg.n_groups, cfg.state_size),
+            C.reshape(n, cfg.n_groups, cfg.state_size),
+        )

@@ -69,7 +69,9 @@ class Mtp(nnx.Module):
 DraftChooser = Callable[[jax.Array, int], jax.Array]  # (logits [S, V], drafts before it) -> draft [S] int32
 
 
-def last_accepted_rows(batch: StepBatch, sample_rows: jax.Array, num_drafts: jax.Array, sampled: jax.Array) -> jax.Array:
+def last_accepted_rows(
+    batch: StepBatch, sample_rows: jax.Array, num_drafts: jax.Array, sampled: jax.Array
+) -> jax.Array:
     """Per sequence, the sample row (0..W-1) of its last accepted token: the host's `accept`
     done on device (drafts kept while the target's sample after the row before agrees).
 
@@ -85,9 +87,20 @@ def last_accepted_rows(batch: StepBatch, sample_rows: jax.Array, num_drafts: jax
 
 
 def mtp_drafts(
-    model, pools: Pools, batch: StepBatch, sample_rows: jax.Array, num_drafts: jax.Array, following_ids: jax.Array,
-    wants_drafts: jax.Array, speculates: jax.Array, hidden: jax.Array, sampled: jax.Array, last: jax.Array,
-    choose: DraftChooser, num_speculative_tokens: int, ops: KernelOps,
+    model,
+    pools: Pools,
+    batch: StepBatch,
+    sample_rows: jax.Array,
+    num_drafts: jax.Array,
+    following_ids: jax.Array,
+    wants_drafts: jax.Array,
+    speculates: jax.Array,
+    hidden: jax.Array,
+    sampled: jax.Array,
+    last: jax.Array,
+    choose: DraftChooser,
+    num_speculative_tokens: int,
+    ops: KernelOps,
 ) -> tuple[jax.Array, Pools]:
     """Runs the MTP module over the step's tokens when some sequence `speculates` [S] and,
     when some sequence `wants_drafts` [S] (only speculating ones do), drafts
@@ -146,12 +159,22 @@ def mtp_drafts(
 
     drafts = jnp.zeros((num_seqs, num_speculative_tokens), jnp.int32)
     drafts, store[kv], store[kv + 1], _, _ = if_in_place(
-        jnp.any(speculates), run, (drafts, store[kv], store[kv + 1], hidden, sampled))
+        jnp.any(speculates), run, (drafts, store[kv], store[kv + 1], hidden, sampled)
+    )
     return drafts, pools.with_store(store, pools.states)
 
 
-def _layer_pass(model, ids: jax.Array, hidden: jax.Array, positions: jax.Array, slots: jax.Array, batch: StepBatch,
-                pages: list[jax.Array], ops: KernelOps, guard=None) -> jax.Array:
+def _layer_pass(
+    model,
+    ids: jax.Array,
+    hidden: jax.Array,
+    positions: jax.Array,
+    slots: jax.Array,
+    batch: StepBatch,
+    pages: list[jax.Array],
+    ops: KernelOps,
+    guard=None,
+) -> jax.Array:
     """The module over tokens `ids` [N] after hidden states `hidden` [N, D] at `positions`,
     writing their K/V to `slots` of the pages [K, V] (in place in `pages`) -> g [N, D].
     `guard(fn, *args)`, if given, runs the compute under a condition."""

@@ -47,8 +47,9 @@ def run_tokens(
         out, new = update(states, row)
         if j:  # every sequence has row 0 (padding ones write to the null slot): only later rows may be past its end
             live = j < q_lens  # [S]: the sequence has a token at row j
-            new = tuple(jnp.where(live.reshape((-1,) + (1,) * (n.ndim - 1)), n.astype(s.dtype), s)
-                        for n, s in zip(new, states))
+            new = tuple(
+                jnp.where(live.reshape((-1,) + (1,) * (n.ndim - 1)), n.astype(s.dtype), s) for n, s in zip(new, states)
+            )
         states = tuple(n.astype(s.dtype) for n, s in zip(new, states))
         outs.append(out)
         after.append(states)
@@ -68,6 +69,8 @@ def run_tokens(
         saves.append(picked)
     # Draft position p = s * k + j is sequence s's state after its pending token and j drafts.
     k = batch.state_seq.shape[0] // num_seqs
-    at_drafts = tuple(jnp.stack([after[j][i] for j in range(k)], axis=1).reshape(-1, *s.shape[1:]) if k else s[:0]
-                      for i, s in enumerate(states))
+    at_drafts = tuple(
+        jnp.stack([after[j][i] for j in range(k)], axis=1).reshape(-1, *s.shape[1:]) if k else s[:0]
+        for i, s in enumerate(states)
+    )
     return outputs, states, tuple(saves), at_drafts

@@ -199,7 +199,15 @@ def gated_delta_states_at(
     num_tokens = k.shape[0]
     num_heads = v.shape[1]
     base, token, inside = tokens_since_latest_state(
-        scan.chunk_seq, scan.chunk_end, scan.chunk_states, init_states, cu_seqlens, start_pos, seq, pos, window,
+        scan.chunk_seq,
+        scan.chunk_end,
+        scan.chunk_states,
+        init_states,
+        cu_seqlens,
+        start_pos,
+        seq,
+        pos,
+        window,
         num_tokens,
     )
     # The others neither decay nor write.

@@ -88,7 +88,9 @@ def ragged_paged_attention(
     group = q_heads // kv_heads
     dtype = q.dtype
     if not (dtype == k_pages.dtype == v_pages.dtype) or dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise ValueError(f"q, k_pages and v_pages must share dtype float32, bfloat16 or float16, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+        raise ValueError(
+            f"q, k_pages and v_pages must share dtype float32, bfloat16 or float16, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+        )
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     padded_group = _next_power_of_2(group)
@@ -97,7 +99,9 @@ def ragged_paged_attention(
         if size != _next_power_of_2(size):
             raise ValueError(f"{name} must be a power of two, got {size}")
     if padded_group * block_q < 16 or block_kv < 16:  # Triton's dot needs 16 along each dim
-        raise ValueError(f"need at least 16 query rows (G rounded up to a power of two times block_q) and block_kv >= 16, got {padded_group * block_q} and {block_kv}")
+        raise ValueError(
+            f"need at least 16 query rows (G rounded up to a power of two times block_q) and block_kv >= 16, got {padded_group * block_q} and {block_kv}"
+        )
 
     items = work_items(cu_q_lens, num_tokens, block_q)
     kernel = functools.partial(

@@ -114,7 +114,9 @@ def ragged_paged_attention(
     group = q_heads // kv_heads
     dtype = q.dtype
     if not (dtype == k_pages.dtype == v_pages.dtype) or dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"q, k_pages and v_pages must share dtype float32 or bfloat16, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+        raise ValueError(
+            f"q, k_pages and v_pages must share dtype float32 or bfloat16, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
+        )
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     block_q = block_q or min(max(16, TARGET_ROWS // group // 16 * 16), -(-num_tokens // 16) * 16)
@@ -123,7 +125,9 @@ def ragged_paged_attention(
     block_kv_pages = min(block_kv_pages or max(1, TARGET_KV_TOKENS // page_size), pages_per_seq)
     block_kv_heads = block_kv_heads or kv_heads
     if kv_heads % block_kv_heads or (block_kv_heads < kv_heads and block_kv_heads * head_dim % 128):
-        raise ValueError(f"block_kv_heads ({block_kv_heads}) must divide kv_heads ({kv_heads}) and, unless equal, span a multiple of 128 lanes")
+        raise ValueError(
+            f"block_kv_heads ({block_kv_heads}) must divide kv_heads ({kv_heads}) and, unless equal, span a multiple of 128 lanes"
+        )
 
     items = work_items(cu_q_lens, num_tokens, block_q)
     padded_tokens = -(-num_tokens // block_q) * block_q  # tokens past T belong to no item
@@ -298,17 +302,23 @@ def _kernel(
 
         wait(block_copies(cur, kv_block, slot))
 
-        kv_pos = (cur.first_page + kv_block * block_kv_pages) * page_size + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
+        kv_pos = (cur.first_page + kv_block * block_kv_pages) * page_size + lax.broadcasted_iota(
+            jnp.int32, (rows, block_kv), 1
+        )
         visible = (kv_pos <= row_pos) & (kv_pos < cur.kv_end)
         if sliding_window is not None:
             visible &= kv_pos > row_pos - sliding_window
-        key_pos = (cur.first_page + kv_block * block_kv_pages) * page_size + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+        key_pos = (cur.first_page + kv_block * block_kv_pages) * page_size + lax.broadcasted_iota(
+            jnp.int32, (block_kv, 1), 0
+        )
         for h in range(heads_in_block):
             kv_cols = pl.ds(h * head_dim, head_dim)
             k = k_bufs[slot, :, kv_cols]  # [block_kv, D]
             v = jnp.where(key_pos < cur.kv_end, v_bufs[slot, :, kv_cols], 0)
             qh = jnp.concatenate([q_ref[:, q_head_cols(h, g)] for g in range(group)], axis=0)  # [rows, D]
-            s = lax.dot_general(qh, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+            s = lax.dot_general(
+                qh, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+            )
             s = s * sm_scale
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)

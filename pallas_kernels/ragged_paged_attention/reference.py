@@ -32,7 +32,9 @@ def validate_inputs(
     if q.ndim != 3:
         raise ValueError(f"q must be [tokens, q_heads, head_dim], got shape {q.shape}")
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError(f"k_pages and v_pages must be equal [pages, page_size, kv_heads, head_dim], got {k_pages.shape} and {v_pages.shape}")
+        raise ValueError(
+            f"k_pages and v_pages must be equal [pages, page_size, kv_heads, head_dim], got {k_pages.shape} and {v_pages.shape}"
+        )
     if k_pages.shape[3] != q.shape[2]:
         raise ValueError(f"head_dim of q ({q.shape[2]}) and k_pages ({k_pages.shape[3]}) differ")
     if q.shape[1] % k_pages.shape[2]:

@@ -77,8 +77,11 @@ def _scan_kernel(
         def tile(i, h):
             span = pl.ds(pl.multiple_of(i * TILE, TILE), TILE)
             fetch(
-                (u_ref.at[span, cols], u_land), (dt_ref.at[span, cols], dt_land), (b_ref.at[span], b_land),
-                (c_ref.at[span], c_land), (token_meta_ref.at[:, span], meta_land),
+                (u_ref.at[span, cols], u_land),
+                (dt_ref.at[span, cols], dt_land),
+                (b_ref.at[span], b_land),
+                (c_ref.at[span], c_land),
+                (token_meta_ref.at[:, span], meta_land),
             )
 
             def token(j, h):
@@ -149,8 +152,10 @@ def ragged_selective_scan(
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     first = valid & (t == cu_seqlens[seq])
     last_token = jnp.where(rows.row_len > 0, rows.row_start + rows.row_len - 1, num_tokens)  # unused rows: dropped
-    row_of_end = jnp.full((num_tokens,), -1, jnp.int32).at[last_token].set(
-        jnp.arange(rows.chunk_seq.shape[0], dtype=jnp.int32), mode="drop"
+    row_of_end = (
+        jnp.full((num_tokens,), -1, jnp.int32)
+        .at[last_token]
+        .set(jnp.arange(rows.chunk_seq.shape[0], dtype=jnp.int32), mode="drop")
     )
     padded = pl.cdiv(num_tokens, TILE) * TILE
 
@@ -174,7 +179,12 @@ def ragged_selective_scan(
         interpret=mosaic_gpu.interpreter() if interpret else False,
     )
     y, chunk_states = kernel(
-        meta, pad(dt32 * x.astype(f32)), pad(dt32), pad(B.astype(f32)), pad(C.astype(f32)), A.astype(f32),
+        meta,
+        pad(dt32 * x.astype(f32)),
+        pad(dt32),
+        pad(B.astype(f32)),
+        pad(C.astype(f32)),
+        A.astype(f32),
         init_states.astype(f32),
     )
     return SelectiveScanOutput(

@@ -52,8 +52,9 @@ def _step(h: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array)
     return jnp.exp(dt[..., None] * A) * h + (dt * x)[..., None] * B[..., None, :]
 
 
-def _columns(h0: jax.Array, xs: jax.Array, dts: jax.Array, A: jax.Array, Bs: jax.Array,
-             Cs: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+def _columns(
+    h0: jax.Array, xs: jax.Array, dts: jax.Array, A: jax.Array, Bs: jax.Array, Cs: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array | None]:
     """Runs every row's columns from `h0` [R, d, N]; xs, dts [L, R, d], Bs, Cs [L, R, N].
     Returns the rows' end states and, with `Cs`, y [L, R, d]."""
 
@@ -141,7 +142,15 @@ def selective_states_at(
     get garbage, never an error."""
     f32 = jnp.float32
     base, token, inside = tokens_since_latest_state(
-        scan.chunk_seq, scan.chunk_end, scan.chunk_states, init_states, cu_seqlens, start_pos, seq, pos, window,
+        scan.chunk_seq,
+        scan.chunk_end,
+        scan.chunk_states,
+        init_states,
+        cu_seqlens,
+        start_pos,
+        seq,
+        pos,
+        window,
         x.shape[0],
     )
     dt_w = jnp.where(inside[..., None], dt[token].astype(f32), 0.0)  # [C, W, d]; the others neither decay nor write

@@ -74,5 +74,3 @@ def row_decays(
     flags = jnp.broadcast_to(starts_row[:, None], log_decay.shape)
     _, cum = jax.lax.associative_scan(combine, (flags, log_decay), axis=0)
     return dt, cum
-
-

@@ -151,9 +151,7 @@ def ssd_state_update(
     Bh = _heads(B.astype(f32), num_heads)  # [S, H, N]
     Ch = _heads(C.astype(f32), num_heads)
     decay = jnp.exp(dt * A.astype(f32))  # [S, H]
-    new_state = decay[..., None, None] * state.astype(f32) + jnp.einsum(
-        "sh,shp,shn->shpn", dt, x.astype(f32), Bh
-    )
+    new_state = decay[..., None, None] * state.astype(f32) + jnp.einsum("sh,shp,shn->shpn", dt, x.astype(f32), Bh)
     y = jnp.einsum("shpn,shn->shp", new_state, Ch)
     return y, new_state
 
@@ -181,7 +179,15 @@ def ssd_states_at(
     f32 = jnp.float32
     num_tokens, num_heads, _ = x.shape
     base, token, inside = tokens_since_latest_state(
-        scan.chunk_seq, scan.chunk_end, scan.chunk_states, init_states, cu_seqlens, start_pos, seq, pos, window,
+        scan.chunk_seq,
+        scan.chunk_end,
+        scan.chunk_states,
+        init_states,
+        cu_seqlens,
+        start_pos,
+        seq,
+        pos,
+        window,
         num_tokens,
     )
     dt_w = jnp.where(inside[..., None], dt[token].astype(f32), 0.0)  # [C, W, H]

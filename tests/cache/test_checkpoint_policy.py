@@ -38,8 +38,15 @@ def test_a_grain_puts_edges_and_candidates_on_its_multiples():
     # Grain 3 pages (12 tokens): the prompt edge is the last multiple within the prefill (36 of
     # 40), trailing edges and dense candidates lie on multiples; a junction lies where it lies.
     got = plan(0, 64, page_size=4, interval=DENSE, prefill_boundary=40, junctions={20}, grain=3)
-    assert got == [(12, Kind.CANDIDATE), (20, Kind.JUNCTION), (24, Kind.CANDIDATE), (36, Kind.PROMPT),
-                   (48, Kind.TRAILING), (60, Kind.TRAILING)]
+    assert got == [
+        (12, Kind.CANDIDATE),
+        (20, Kind.JUNCTION),
+        (24, Kind.CANDIDATE),
+        (36, Kind.PROMPT),
+        (48, Kind.TRAILING),
+        (60, Kind.TRAILING),
+    ]
     # An interval's candidates are the user's choice: the grain leaves them alone.
-    assert [p for p, k in plan(0, 40, page_size=4, interval=8, prefill_boundary=40, grain=3)
-            if k is Kind.CANDIDATE] == [8, 16, 24, 32]
+    assert [
+        p for p, k in plan(0, 40, page_size=4, interval=8, prefill_boundary=40, grain=3) if k is Kind.CANDIDATE
+    ] == [8, 16, 24, 32]

@@ -12,8 +12,13 @@ CKPT = 2  # blocks per checkpoint
 
 
 def _cache(num_blocks: int, *, recurrent: bool = True) -> PrefixCache:
-    return PrefixCache(BlockPool(num_blocks), page_size=PAGE, has_kv=True, checkpoint_blocks=CKPT if recurrent else 0,
-                       value=lambda depth: float(depth))
+    return PrefixCache(
+        BlockPool(num_blocks),
+        page_size=PAGE,
+        has_kv=True,
+        checkpoint_blocks=CKPT if recurrent else 0,
+        value=lambda depth: float(depth),
+    )
 
 
 def _store(cache: PrefixCache, tokens: list[int], checkpoint_at: list[int], hits: int = 1) -> list[bytes]:

@@ -18,9 +18,12 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
 
 
 # With speculation (verify shapes among those that wait): under `slow`, the plain case runs fast.
-@pytest.mark.parametrize("speculative_config", [None, pytest.param(NGRAM, marks=pytest.mark.slow)], ids=["plain", "ngram"])
-def test_only_the_largest_shapes_wait_and_tokens_are_those_of_exact_shapes(tiny_models, monkeypatch,
-                                                                            speculative_config):
+@pytest.mark.parametrize(
+    "speculative_config", [None, pytest.param(NGRAM, marks=pytest.mark.slow)], ids=["plain", "ngram"]
+)
+def test_only_the_largest_shapes_wait_and_tokens_are_those_of_exact_shapes(
+    tiny_models, monkeypatch, speculative_config
+):
     """With speculation, the largest shapes that wait are verify shapes: steps that verify
     drafts, decode or mixed, fit only them."""
     step_store.forget_shared_steps()  # every shape compiled here, whatever ran before in this process
@@ -48,7 +51,9 @@ def test_only_the_largest_shapes_wait_and_tokens_are_those_of_exact_shapes(tiny_
     assert llm.stats()["step_shapes_not_ready"] == 0
     assert len(steps.ready) == len(shapes)
     assert set(steps.compile_seconds) == set(steps.ready) and min(steps.compile_seconds.values()) > 0  # all compiled
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == early  # every step its own shape
+    assert [
+        o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    ] == early  # every step its own shape
 
 
 def test_a_step_fits_shapes_no_smaller_and_decode_fits_mixed():

@@ -12,7 +12,9 @@ def _workload(seed: int, n: int = 64) -> tuple[list[list[int]], list[int]]:
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, 240, size=n)
     max_tokens = rng.integers(1, 9, size=n)
-    return [random_prompt(int(length), seed * 1000 + i) for i, length in enumerate(lengths)], [int(m) for m in max_tokens]
+    return [random_prompt(int(length), seed * 1000 + i) for i, length in enumerate(lengths)], [
+        int(m) for m in max_tokens
+    ]
 
 
 @pytest.mark.parametrize("arch", ["bamba", pytest.param("llama", marks=pytest.mark.slow)])  # attention: in bamba

@@ -22,8 +22,6 @@ def bamba(tmp_path_factory):
     return path, save_tiny_model("bamba", path)
 
 
-
-
 def test_two_replicas_of_two_devices_serve_a_conversation_from_one_replica(bamba):
     path, hf_model = bamba
     llm = LLM(path, data_parallel_size=2, tensor_parallel_size=2, **ARGS)
@@ -53,8 +51,9 @@ def test_two_replicas_of_two_devices_serve_a_conversation_from_one_replica(bamba
 def test_a_prompts_samples_share_one_replica(bamba):
     path, _ = bamba
     llm = LLM(path, data_parallel_size=2, **ARGS)
-    out = llm.generate([random_prompt(2, 7)], SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=1),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [random_prompt(2, 7)], SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=1), use_tqdm=False
+    )[0]
     assert len(out.outputs) == 3
     assert sorted(r.stats()["tokens_asked"] > 0 for r in llm.engine.replicas) == [False, True]
 
@@ -62,8 +61,10 @@ def test_a_prompts_samples_share_one_replica(bamba):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(data_parallel_size=3, tensor_parallel_size=4), "data_parallel_size=3 with tensor_parallel_size=4 needs "
-                                                             "12 devices; 8 cpu devices are present"),
+        (
+            dict(data_parallel_size=3, tensor_parallel_size=4),
+            "data_parallel_size=3 with tensor_parallel_size=4 needs 12 devices; 8 cpu devices are present",
+        ),
         (dict(data_parallel_size=0), "data_parallel_size must be a positive integer"),
     ],
 )
@@ -91,6 +92,12 @@ def test_replicas_run_twice_in_fresh_processes_on_one_store(bamba, tmp_path):
     env = {**os.environ, "HOME": str(tmp_path)}
     want = [hf_greedy(hf_model, p, 8) for p in prompts]
     for _ in range(2):
-        run = subprocess.run([sys.executable, "-c", PROGRAM, str(path), repr(ARGS), repr(prompts)], env=env,
-                             check=True, capture_output=True, text=True, timeout=600)
+        run = subprocess.run(
+            [sys.executable, "-c", PROGRAM, str(path), repr(ARGS), repr(prompts)],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert eval(run.stdout.strip().splitlines()[-1]) == want

@@ -25,9 +25,12 @@ from tests.models.tiny_models import hf_greedy, random_prompt, save_tiny_model
 
 # (target, draft) architectures: hybrid for hybrid, plain for plain, plain for hybrid, and a
 # Mamba2 hybrid drafting for a Gated DeltaNet one.
-PAIRS = [("bamba", "bamba"), pytest.param(("llama", "llama"), marks=pytest.mark.slow),
-         pytest.param(("bamba", "llama"), marks=pytest.mark.slow),
-         pytest.param(("qwen3_5", "bamba"), marks=pytest.mark.slow)]
+PAIRS = [
+    ("bamba", "bamba"),
+    pytest.param(("llama", "llama"), marks=pytest.mark.slow),
+    pytest.param(("bamba", "llama"), marks=pytest.mark.slow),
+    pytest.param(("qwen3_5", "bamba"), marks=pytest.mark.slow),
+]
 
 
 def _spec(draft_dir, **more) -> dict:
@@ -90,11 +93,14 @@ def test_tokens_are_those_of_plain_decoding(models, pair):
     assert _run(llm, stop_id) == want
     stats = llm.stats()
     assert stats["spec_draft_tokens"] > 0 and stats["tokens_hit"] > 0
-    sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=s, top_k=k, top_p=p, ignore_eos=True)
-               for s, k, p in ((1, 0, 1.0), (2, 20, 1.0), (3, 0, 0.7))]
+    sampled = [
+        SamplingParams(max_tokens=12, temperature=0.8, seed=s, top_k=k, top_p=p, ignore_eos=True)
+        for s, k, p in ((1, 0, 1.0), (2, 20, 1.0), (3, 0, 0.7))
+    ]
     prompts = _prompts()[:3]
-    assert ([o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)]
-            == [o.outputs[0].token_ids for o in plain.generate(prompts, sampled, use_tqdm=False)])
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in plain.generate(prompts, sampled, use_tqdm=False)
+    ]
     llm.engine.scheduler.check_invariants()
 
 
@@ -120,8 +126,10 @@ def test_the_target_as_its_own_draft_is_accepted_when_sampling_too(models):
     greedily would keep a draft only with the target's probability of its top token)."""
     path, _ = models("bamba")
     llm = LLM(path, speculative_config=_spec(path), **ARGS)
-    params = [SamplingParams(max_tokens=24, temperature=t, top_k=k, seed=s, ignore_eos=True)
-              for t, k, s in ((1.0, 0, 1), (0.7, 20, 2), (1.5, 0, 3))]
+    params = [
+        SamplingParams(max_tokens=24, temperature=t, top_k=k, seed=s, ignore_eos=True)
+        for t, k, s in ((1.0, 0, 1), (0.7, 20, 2), (1.5, 0, 3))
+    ]
     outs = llm.generate(_prompts()[:3], params, use_tqdm=False)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 3
     stats = llm.stats()

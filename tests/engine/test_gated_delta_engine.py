@@ -7,8 +7,14 @@ import pytest
 from jaxengine import LLM, SamplingParams
 from tests.models.tiny_models import random_prompt, save_tiny_model
 
-ARGS = dict(max_model_len=64, page_size=4, max_num_seqs=2, max_num_batched_tokens=16, background_compile=False,
-            compilation_cache_dir=None)
+ARGS = dict(
+    max_model_len=64,
+    page_size=4,
+    max_num_seqs=2,
+    max_num_batched_tokens=16,
+    background_compile=False,
+    compilation_cache_dir=None,
+)
 
 
 @pytest.mark.slow

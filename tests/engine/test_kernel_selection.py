@@ -18,9 +18,21 @@ GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 def kernel_friendly_bamba(tmp_path_factory):
     """A tiny Bamba whose shapes suit both kernel families (SSM head dim 64, state 16)."""
     cfg = BambaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=2, mamba_d_head=64, mamba_n_groups=1,
-        mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, max_position_embeddings=64,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_indices=[1],
+        mamba_n_heads=2,
+        mamba_d_head=64,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=8,
+        max_position_embeddings=64,
     )
     model = BambaForCausalLM(cfg).eval()
     perturb_(model, seed=0)
@@ -37,7 +49,8 @@ def test_interpreted_kernels_match_references_end_to_end(kernel_friendly_bamba, 
     prompts = [random_prompt(11, 1), random_prompt(3, 2)]
     want = LLM(kernel_friendly_bamba, kernels="reference", **ARGS).generate(prompts, GREEDY, use_tqdm=False)
     got = LLM(kernel_friendly_bamba, kernels=kernels, tensor_parallel_size=tp, **ARGS).generate(
-        prompts, GREEDY, use_tqdm=False)
+        prompts, GREEDY, use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 

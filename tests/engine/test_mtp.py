@@ -2,7 +2,6 @@
 reference run without a cache (after a prefill, after verify steps that accept every draft
 or none, after a prefix hit), and the tokens are those of plain decoding."""
 
-
 import numpy as np
 import pytest
 
@@ -76,11 +75,14 @@ def test_tokens_are_those_of_plain_decoding(mtp_models, arch):
     stats = llm.stats()
     assert stats["spec_draft_tokens"] > 0 and stats["tokens_hit"] > 0
     # Seeded sampling: each verify row draws with the request's key for its output index.
-    sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=s, top_k=k, top_p=p, ignore_eos=True)
-               for s, k, p in ((1, 0, 1.0), (2, 20, 1.0), (3, 0, 0.7))]
+    sampled = [
+        SamplingParams(max_tokens=12, temperature=0.8, seed=s, top_k=k, top_p=p, ignore_eos=True)
+        for s, k, p in ((1, 0, 1.0), (2, 20, 1.0), (3, 0, 0.7))
+    ]
     prompts = _prompts()[:3]
-    assert ([o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)]
-            == [o.outputs[0].token_ids for o in plain.generate(prompts, sampled, use_tqdm=False)])
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in plain.generate(prompts, sampled, use_tqdm=False)
+    ]
     llm.engine.scheduler.check_invariants()
 
 

@@ -37,8 +37,14 @@ def _config(tmp_path: Path, model: Path, **engine) -> Path:
     prompts.write_text("".join(json.dumps({"id": str(i), "prompt_token_ids": p}) + "\n" for i, p in enumerate(PROMPTS)))
     config = {
         "model": str(model),
-        "engine": {**ARGS, "compilation_cache_dir": None, "tensor_parallel_size": 2,
-                   "distributed_init_addr": f"127.0.0.1:{_free_port()}", "num_nodes": 2, **engine},
+        "engine": {
+            **ARGS,
+            "compilation_cache_dir": None,
+            "tensor_parallel_size": 2,
+            "distributed_init_addr": f"127.0.0.1:{_free_port()}",
+            "num_nodes": 2,
+            **engine,
+        },
         "sampling": {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},
         "input": str(prompts),
         "output": str(tmp_path / "outputs.jsonl"),
@@ -54,8 +60,14 @@ def _start(config: Path, rank: int) -> subprocess.Popen:
     """`jaxengine run CONFIG --node-rank RANK` in a fresh process with one CPU device."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
-    return subprocess.Popen([sys.executable, "-m", "jaxengine", "run", str(config), "--node-rank", str(rank)],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxengine", "run", str(config), "--node-rank", str(rank)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _finish(process: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:

@@ -33,8 +33,10 @@ def assert_no_step_copies_a_pool(engine, decode: bool, num_seqs: tuple[int, ...]
     # The compiled step works on each device's shard (all of a pool on one device).
     pool_shapes = {tuple(p.sharding.shard_shape(p.shape)) for p in pools}
     shapes = [
-        min((s for s in engine.shapes() if s.decode == decode and s.num_seqs == n),
-            key=lambda s: (s.num_tokens, not s.runs_drafter))
+        min(
+            (s for s in engine.shapes() if s.decode == decode and s.num_seqs == n),
+            key=lambda s: (s.num_tokens, not s.runs_drafter),
+        )
         for n in num_seqs
     ]
     for shape in shapes:

@@ -7,8 +7,9 @@ from jaxengine import LLM, SamplingParams
 from tests.models.tiny_models import random_prompt, save_tiny_model
 
 # page 4 and chunk 8 (tiny models): a 45-token prefix ends mid-page and mid-chunk
-ARGS = dict(max_model_len=256, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False,
-            compilation_cache_dir=None)
+ARGS = dict(
+    max_model_len=256, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False, compilation_cache_dir=None
+)
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 # Pools small enough that pages and checkpoints evict: room for the running sequences and a
 # few checkpoints (a tiny model's checkpoint takes 2 blocks without attention layers, ~20 with).
@@ -36,19 +37,24 @@ def _run_workload(llm: LLM) -> list[list[int]]:
         prompts += [{"prompt_token_ids": conversations[0], "cache_salt": f"user{turn % 2}"}]
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         outputs.extend(o.outputs[0].token_ids for o in outs)
-        conversations = [c + o.outputs[0].token_ids + random_prompt(4, 100 + turn) for c, o in zip(conversations, outs[3:5])]
+        conversations = [
+            c + o.outputs[0].token_ids + random_prompt(4, 100 + turn) for c, o in zip(conversations, outs[3:5])
+        ]
     return outputs
 
 
-@pytest.mark.parametrize("arch", [a if a in FAST_ARCHS else pytest.param(a, marks=pytest.mark.slow)
-                                  for a in CACHING_ARCHS])
+@pytest.mark.parametrize(
+    "arch", [a if a in FAST_ARCHS else pytest.param(a, marks=pytest.mark.slow) for a in CACHING_ARCHS]
+)
 def test_outputs_identical_with_caching_on_and_off(tmp_path, arch):
     """For every retention interval (dense, sparse, every 8 tokens), under a pool where
     everything evicts."""
     save_tiny_model(arch, tmp_path)
     # The retentions share step shapes, and so the executables of the first one.
-    pool = dict(num_cache_blocks=SMALL_POOL.get(arch, SMALL_POOL_WITH_ATTENTION),
-                compilation_cache_dir=str(tmp_path / "compiled"))
+    pool = dict(
+        num_cache_blocks=SMALL_POOL.get(arch, SMALL_POOL_WITH_ATTENTION),
+        compilation_cache_dir=str(tmp_path / "compiled"),
+    )
     want = _run_workload(LLM(tmp_path, **{**ARGS, **pool}, enable_prefix_caching=False))
     retentions = (None, 0, 8) if arch != "llama" else (None,)  # no checkpoints without recurrent layers
     engines = []  # kept alive: the later ones run the executables the first one compiled
@@ -74,8 +80,9 @@ def test_default_settings_hit_like_a_transformer(tmp_path, arch):
     if arch != "llama":
         assert llm.stats()["prefix_cache_retention_interval"] is None  # dense: the default for hybrids
     prefix = random_prompt(200, 20)
-    hits = [llm.generate([prefix + random_prompt(9, 21 + r)], GREEDY, use_tqdm=False)[0].num_cached_tokens
-            for r in range(3)]
+    hits = [
+        llm.generate([prefix + random_prompt(9, 21 + r)], GREEDY, use_tqdm=False)[0].num_cached_tokens for r in range(3)
+    ]
     assert hits == [0, 192, 192]
     p = random_prompt(300, 30)
     llm.generate([p + random_prompt(5, 31)], GREEDY, use_tqdm=False)

@@ -22,8 +22,9 @@ from jaxengine.engine.scheduler import Scheduler
 from tests.models.tiny_models import VOCAB_SIZE, random_prompt, save_tiny_model
 from tests.property_examples import examples
 
-ARGS = dict(max_model_len=128, page_size=4, max_num_seqs=8, max_num_batched_tokens=32, warm_up=False,
-            compilation_cache_dir=None)
+ARGS = dict(
+    max_model_len=128, page_size=4, max_num_seqs=8, max_num_batched_tokens=32, warm_up=False, compilation_cache_dir=None
+)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
 # A workload that prefills in chunks, decodes, shares prefixes (hits) and mixes sampling.
@@ -101,8 +102,14 @@ def _runner_points(llm: LLM) -> dict:
     }
 
 
-POINTS = ["schedule", "build", "before the device step", "after the device step took the pools", "update mid-way",
-          "token handling"]
+POINTS = [
+    "schedule",
+    "build",
+    "before the device step",
+    "after the device step took the pools",
+    "update mid-way",
+    "token handling",
+]
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -211,8 +218,10 @@ def test_eight_threads_fifty_calls_each(llm, expected):
 def test_a_thread_waiting_for_the_lock_gets_in_between_another_callers_steps(llm, expected):
     """The lock is free between steps: a `stats()` call from another thread is answered while
     a long request is still running."""
-    long = threading.Thread(target=_tokens, args=(llm, [random_prompt(4, 8)],
-                                                  [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)]))
+    long = threading.Thread(
+        target=_tokens,
+        args=(llm, [random_prompt(4, 8)], [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)]),
+    )
     long.start()
     deadline = time.monotonic() + 60
     while not llm.engine.scheduler.running and time.monotonic() < deadline:
@@ -348,24 +357,47 @@ def test_values_the_step_arrays_cannot_hold_run_as_intended(llm):
     unseeded = _tokens(llm, [[3, 4, 5]] * 4, [SamplingParams(seed=-1, **base)] * 4)  # -1: no seed, as in vLLM
     assert len({tuple(t) for t in unseeded}) > 1
     assert _tokens(llm, [[3, 4]], [SamplingParams(seed=2**32 + 5, **base)]) == _tokens(
-        llm, [[3, 4]], [SamplingParams(seed=5, **base)])
+        llm, [[3, 4]], [SamplingParams(seed=5, **base)]
+    )
     assert _tokens(llm, [[3, 4]], [SamplingParams(top_k=2**31, seed=1, **base)]) == _tokens(
-        llm, [[3, 4]], [SamplingParams(top_k=0, seed=1, **base)])
+        llm, [[3, 4]], [SamplingParams(top_k=0, seed=1, **base)]
+    )
     assert len(_tokens(llm, [[3]], [SamplingParams(stop=None, stop_token_ids=None, max_tokens=3)])[0]) >= 1
     assert _tokens(llm, [np.asarray([3, 4], np.int64)], [GREEDY]) == _tokens(llm, [[3, 4]], [GREEDY])
 
 
 NUMBERS = st.one_of(
-    st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**70), 2**70), st.sampled_from([None, "x", True]),
-    st.builds(np.float32, st.floats(width=32, allow_nan=True)), st.builds(np.int64, st.integers(-(2**40), 2**40)),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([None, "x", True]),
+    st.builds(np.float32, st.floats(width=32, allow_nan=True)),
+    st.builds(np.int64, st.integers(-(2**40), 2**40)),
 )
 
 
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(fields=st.dictionaries(
-    st.sampled_from(["max_tokens", "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "seed", "min_tokens", "logprobs"]), NUMBERS, max_size=4),
-    prompt=st.one_of(st.lists(st.integers(-5, VOCAB_SIZE + 5), max_size=6), st.lists(NUMBERS, max_size=3)))
+@given(
+    fields=st.dictionaries(
+        st.sampled_from(
+            [
+                "max_tokens",
+                "temperature",
+                "top_k",
+                "top_p",
+                "min_p",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+                "seed",
+                "min_tokens",
+                "logprobs",
+            ]
+        ),
+        NUMBERS,
+        max_size=4,
+    ),
+    prompt=st.one_of(st.lists(st.integers(-5, VOCAB_SIZE + 5), max_size=6), st.lists(NUMBERS, max_size=3)),
+)
 def test_any_parameters_either_run_or_are_refused_before_any_work(llm, fields, prompt):
     params = SamplingParams(**{"max_tokens": 3, **fields})
     try:
@@ -400,8 +432,11 @@ def test_recovery_forgets_the_cache_when_the_pools_were_lost(llm, monkeypatch):
     assert llm.engine.scheduler.cache.checkpoints
     recover = Scheduler.recover
     seen = []
-    monkeypatch.setattr(Scheduler, "recover", lambda self, device_state_lost: (seen.append(device_state_lost),
-                                                                              recover(self, device_state_lost)))
+    monkeypatch.setattr(
+        Scheduler,
+        "recover",
+        lambda self, device_state_lost: (seen.append(device_state_lost), recover(self, device_state_lost)),
+    )
     _fail_on_call(monkeypatch, llm.engine.runner, "run_executable", 1, after=True)
     with pytest.raises(Boom):
         llm.generate(WORKLOAD, PARAMS, use_tqdm=False)

@@ -15,7 +15,8 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(bamba_llm: LLM):
     others = [random_prompt(n, n) for n in (5, 60, 33, 2, 90)]
     busy = bamba_llm.generate(
         others[:2] + [PROMPT] + others[2:],
-        [SamplingParams(max_tokens=9, temperature=0.7, seed=i) for i in range(2)] + [params]
+        [SamplingParams(max_tokens=9, temperature=0.7, seed=i) for i in range(2)]
+        + [params]
         + [SamplingParams(max_tokens=15, temperature=1.3) for _ in range(3)],
         use_tqdm=False,
     )
@@ -25,22 +26,30 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(bamba_llm: LLM):
 
 
 def test_stop_token_ids_and_min_tokens(bamba_llm: LLM):
-    greedy = bamba_llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    greedy = bamba_llm.generate(
+        [PROMPT], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
     tokens = greedy[0].outputs[0].token_ids
     stop_at = tokens[3]
     first = tokens.index(stop_at)
-    out = bamba_llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    out = bamba_llm.generate(
+        [PROMPT], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at]), use_tqdm=False
+    )[0]
     assert out.outputs[0].token_ids == tokens[: first + 1] and out.outputs[0].finish_reason == "stop"
     # min_tokens holds the stop token back: it may not be drawn before min_tokens outputs
     held = bamba_llm.generate(
-        [PROMPT], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at], min_tokens=first + 2), use_tqdm=False
+        [PROMPT],
+        SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_at], min_tokens=first + 2),
+        use_tqdm=False,
     )[0]
     assert stop_at not in held.outputs[0].token_ids[: first + 2]
     assert len(held.outputs[0].token_ids) >= first + 2
 
 
 def test_logprobs_are_returned_for_each_token(bamba_llm: LLM):
-    out = bamba_llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True), use_tqdm=False)[0]
+    out = bamba_llm.generate(
+        [PROMPT], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True), use_tqdm=False
+    )[0]
     sample = out.outputs[0]
     assert len(sample.logprobs) == 4
     for token, entry in zip(sample.token_ids, sample.logprobs):
@@ -48,7 +57,9 @@ def test_logprobs_are_returned_for_each_token(bamba_llm: LLM):
         assert entry[token].logprob == max(v.logprob for v in entry.values())  # greedy picks the most likely token
         assert entry[token].rank == 1 and sorted(v.rank for v in entry.values()) == [1, 2, 3]
         assert all(v.logprob <= 0 for v in entry.values())
-    assert sample.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(sample.token_ids, sample.logprobs)))
+    assert sample.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(sample.token_ids, sample.logprobs))
+    )
     first_logits = bamba_llm.prompt_logits(PROMPT)[-1]
     expected = first_logits - np.log(np.exp(first_logits - first_logits.max()).sum()) - first_logits.max()
     top3 = np.argsort(-expected)[:3]
@@ -74,10 +85,14 @@ def test_length_and_max_tokens(bamba_llm: LLM):
     out = bamba_llm.generate([[5]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].finish_reason == "length"
     # As vLLM: an output that would pass max_model_len (320) is cut there, not refused.
-    capped, unbounded = bamba_llm.generate([[1] * 316, [2] * 310], [
-        SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True),
-    ], use_tqdm=False)
+    capped, unbounded = bamba_llm.generate(
+        [[1] * 316, [2] * 310],
+        [
+            SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True),
+        ],
+        use_tqdm=False,
+    )
     assert len(capped.outputs[0].token_ids) == 4 and capped.outputs[0].finish_reason == "length"
     assert len(unbounded.outputs[0].token_ids) == 10 and unbounded.outputs[0].finish_reason == "length"
 
@@ -88,7 +103,11 @@ def test_length_and_max_tokens(bamba_llm: LLM):
         ([[VOCAB_SIZE]], SamplingParams(), r"request 1: token id 128 is outside the vocabulary"),
         ([[-1]], SamplingParams(), r"request 1: token id -1 is outside"),
         ([[]], SamplingParams(), r"request 1: the prompt is empty"),
-        ([[1] * 320], SamplingParams(max_tokens=5), r"request 1: the prompt \(320 tokens\) leaves no room for output within max_model_len=320"),
+        (
+            [[1] * 320],
+            SamplingParams(max_tokens=5),
+            r"request 1: the prompt \(320 tokens\) leaves no room for output within max_model_len=320",
+        ),
         ([[1]], SamplingParams(temperature=-0.5), r"request 1: SamplingParams.temperature must be"),
         ([[1]], SamplingParams(top_p=0.0), r"SamplingParams.top_p must be a finite number in \(0, 1\]"),
         ([[1]], SamplingParams(top_p=1.5), r"SamplingParams.top_p must be a finite number in \(0, 1\]"),
@@ -122,8 +141,9 @@ def test_prompt_logprobs_match_the_reference_model_across_chunks(bamba_llm: LLM,
     prompt = random_prompt(150, 8)  # three prefill chunks of at most 64 tokens, beside another request
     params = SamplingParams(max_tokens=2, prompt_logprobs=2)
     for _ in range(2):  # the second time too: computed again, not served from the cache
-        out, other = bamba_llm.generate([prompt, random_prompt(30, 19)], [params, SamplingParams(max_tokens=3)],
-                                        use_tqdm=False)
+        out, other = bamba_llm.generate(
+            [prompt, random_prompt(30, 19)], [params, SamplingParams(max_tokens=3)], use_tqdm=False
+        )
         assert out.num_cached_tokens == 0 and other.prompt_logprobs is None
         assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
         logits = hf_logits(tiny_models["bamba"][1], prompt).astype(np.float64)

@@ -17,6 +17,7 @@ def sample_tokens(logits, sb, num_logprobs):
     """One sample row per sequence (a plain step): the outputs without the row axis."""
     return jax.tree.map(lambda a: a[:, 0], _sample(logits, sb, num_logprobs=num_logprobs))
 
+
 VOCAB = 8
 
 
@@ -135,7 +136,9 @@ def test_same_seed_and_step_give_the_same_draw_wherever_the_row_sits():
     sb = _batch(4, temperature=np.ones(4), seeds=[11, 12, 13, 14], steps=[0, 5, 2, 9])
     first = np.asarray(sample_tokens(logits, sb, num_logprobs=1).tokens)
     order = [2, 0, 3, 1]
-    permuted = _batch(4, temperature=np.ones(4), seeds=np.array([11, 12, 13, 14])[order], steps=np.array([0, 5, 2, 9])[order])
+    permuted = _batch(
+        4, temperature=np.ones(4), seeds=np.array([11, 12, 13, 14])[order], steps=np.array([0, 5, 2, 9])[order]
+    )
     second = np.asarray(sample_tokens(logits[order], permuted, num_logprobs=1).tokens)
     np.testing.assert_array_equal(first[order], second)
 
@@ -152,14 +155,22 @@ def _penalised_reference(logits, history, prompt_len, presence, frequency, repet
     return out
 
 
-@pytest.mark.parametrize("presence,frequency,repetition", [(0.0, 0.0, 1.7), (0.0, 0.8, 1.0), (1.5, 0.0, 1.0), (0.5, 0.3, 1.2)])
+@pytest.mark.parametrize(
+    "presence,frequency,repetition", [(0.0, 0.0, 1.7), (0.0, 0.8, 1.0), (1.5, 0.0, 1.0), (0.5, 0.3, 1.2)]
+)
 def test_penalties_match_the_written_out_rule(presence, frequency, repetition):
     rng = np.random.default_rng(2)
     history = np.array([[3, 1, 3, 5, 5, 5]], np.int32)  # prompt 3, 1; outputs 3, 5, 5, 5
     for trial in range(20):
         logits = rng.normal(size=(1, VOCAB)).astype(np.float32) * 2
-        sb = _batch(1, history=history, prompt_lens=[2], presence_penalty=[presence],
-                    frequency_penalty=[frequency], repetition_penalty=[repetition])
+        sb = _batch(
+            1,
+            history=history,
+            prompt_lens=[2],
+            presence_penalty=[presence],
+            frequency_penalty=[frequency],
+            repetition_penalty=[repetition],
+        )
         expected = _penalised_reference(logits[0], history[0], 2, presence, frequency, repetition).argmax()
         assert int(sample_tokens(logits, sb, num_logprobs=1).tokens[0]) == expected, trial
 
@@ -198,8 +209,13 @@ def test_a_draw_is_jax_categorical_with_the_rows_key():
 
 
 @settings(max_examples=examples(60), deadline=None)
-@given(st.lists(st.lists(st.sampled_from([0.0, 1.0, 2.5, -1.0, np.inf, -np.inf, np.nan]), min_size=5, max_size=5),
-                min_size=1, max_size=4))
+@given(
+    st.lists(
+        st.lists(st.sampled_from([0.0, 1.0, 2.5, -1.0, np.inf, -np.inf, np.nan]), min_size=5, max_size=5),
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_argmax_is_numpys_on_ties_infinities_and_nan(rows):
     x = np.array(rows, np.float32)
     np.testing.assert_array_equal(jax.jit(sampler._argmax)(x), np.argmax(x, axis=-1))
@@ -212,14 +228,25 @@ def test_verify_rows_draw_each_output_index_as_a_plain_step_would():
     rng = np.random.default_rng(3)
     logits = rng.normal(size=(4, VOCAB)).astype(np.float32) * 2
     history = np.array([[3, 1, 3, 5, 2, 7]], np.int32)  # prompt 3, 1; output 3, 5; drafts 2, 7
-    settings = dict(temperature=[0.9], seeds=[5], prompt_lens=[2], presence_penalty=[0.7], repetition_penalty=[1.3],
-                    banned=[[2, -1, -1, -1]], min_tokens=[4])
-    verify = _sample(logits, _batch(1, history=history, history_lens=[4], steps=[2], sample_rows=[[0, 1, 2, 3]],
-                                    num_drafts=[2], **settings), num_logprobs=1)
+    settings = dict(
+        temperature=[0.9],
+        seeds=[5],
+        prompt_lens=[2],
+        presence_penalty=[0.7],
+        repetition_penalty=[1.3],
+        banned=[[2, -1, -1, -1]],
+        min_tokens=[4],
+    )
+    verify = _sample(
+        logits,
+        _batch(1, history=history, history_lens=[4], steps=[2], sample_rows=[[0, 1, 2, 3]], num_drafts=[2], **settings),
+        num_logprobs=1,
+    )
     for j in range(3):
         limit = 4 + j
-        plain = _batch(1, history=np.where(np.arange(6) < limit, history, -1), history_lens=[limit], steps=[2 + j],
-                       **settings)
+        plain = _batch(
+            1, history=np.where(np.arange(6) < limit, history, -1), history_lens=[limit], steps=[2 + j], **settings
+        )
         want = sample_tokens(logits[1 + j : 2 + j], plain, num_logprobs=1)
         assert int(verify.tokens[0, 1 + j]) == int(want.tokens[0]), j
         np.testing.assert_allclose(verify.logprob[0, 1 + j], want.logprob[0], rtol=1e-6)
@@ -233,10 +260,15 @@ def test_a_draft_is_drawn_as_the_target_will_draw_its_output_index():
     rng = np.random.default_rng(4)
     logits = rng.normal(size=(n, VOCAB)).astype(np.float32) * 2
     last = np.full(n, 2, np.int32)  # width 4, 2 drafts: rows 1..3 used, row 2 the last accepted
-    settings = dict(temperature=np.full(n, 0.9), seeds=np.arange(n) * 7 + 1, banned=np.tile([[5, -1, -1, -1]], (n, 1)),
-                    min_tokens=np.full(n, 6))
-    verify = _batch(n, steps=np.full(n, 3), sample_rows=np.tile(np.arange(4), (n, 1)), num_drafts=np.full(n, 2),
-                    **settings)
+    settings = dict(
+        temperature=np.full(n, 0.9),
+        seeds=np.arange(n) * 7 + 1,
+        banned=np.tile([[5, -1, -1, -1]], (n, 1)),
+        min_tokens=np.full(n, 6),
+    )
+    verify = _batch(
+        n, steps=np.full(n, 3), sample_rows=np.tile(np.arange(4), (n, 1)), num_drafts=np.full(n, 2), **settings
+    )
     draft = jax.jit(sampler.draft_tokens)
     for i in range(3):
         index = 3 + (2 - 1) + 1 + i  # the last accepted row draws index 4; its i-th draft index 5 + i

@@ -48,7 +48,9 @@ class FakeDevice:
             if cache.has_kv:
                 for pos in range(start):
                     kind, tokens = self.blocks.get(seq.pages[pos // PAGE], (None, None))[:2]
-                    assert kind == "page" and tokens.get(pos % PAGE) == seq.tokens[pos], "a page read holds other tokens"
+                    assert kind == "page" and tokens.get(pos % PAGE) == seq.tokens[pos], (
+                        "a page read holds other tokens"
+                    )
             if cache.recurrent:
                 assert seq.write_slot != seq.read_slot and seq.write_slot in seq.owned_slots
                 if i in restores:
@@ -76,12 +78,32 @@ class FakeDevice:
                 self.blocks[block] = ("ckpt", tuple(seq.tokens[: save.position]), piece)
 
 
-def _scheduler(num_blocks: int, max_seqs: int, budget: int, *, retention: int | None = checkpoint_policy.DENSE,
-               attention: bool = True, mamba: bool = True, caching: bool = True) -> Scheduler:
-    cache = PrefixCache(BlockPool(num_blocks), page_size=PAGE, has_kv=attention,
-                        checkpoint_blocks=CKPT_BLOCKS if mamba else 0, value=COSTS.value_fn(), enabled=caching)
-    return Scheduler(max_num_seqs=max_seqs, max_num_batched_tokens=budget, page_size=PAGE, cache=cache,
-                     slots=LiveSlots(2 * max_seqs) if mamba else None, retention_interval=retention)
+def _scheduler(
+    num_blocks: int,
+    max_seqs: int,
+    budget: int,
+    *,
+    retention: int | None = checkpoint_policy.DENSE,
+    attention: bool = True,
+    mamba: bool = True,
+    caching: bool = True,
+) -> Scheduler:
+    cache = PrefixCache(
+        BlockPool(num_blocks),
+        page_size=PAGE,
+        has_kv=attention,
+        checkpoint_blocks=CKPT_BLOCKS if mamba else 0,
+        value=COSTS.value_fn(),
+        enabled=caching,
+    )
+    return Scheduler(
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        page_size=PAGE,
+        cache=cache,
+        slots=LiveSlots(2 * max_seqs) if mamba else None,
+        retention_interval=retention,
+    )
 
 
 def _drive(sched: Scheduler, device: FakeDevice, seqs: list[Sequence], outputs: dict[str, list[int]]) -> None:
@@ -124,9 +146,14 @@ prefix_st = st.lists(st.integers(0, 3), min_size=0, max_size=40)
 workload_st = dict(
     shared=st.lists(prefix_st, min_size=1, max_size=3),
     requests=st.lists(
-        st.tuples(st.integers(0, 2), st.lists(st.integers(0, 3), min_size=1, max_size=20), st.integers(1, 8),
-                  st.sampled_from([None, "a"])),
-        min_size=1, max_size=12,
+        st.tuples(
+            st.integers(0, 2),
+            st.lists(st.integers(0, 3), min_size=1, max_size=20),
+            st.integers(1, 8),
+            st.sampled_from([None, "a"]),
+        ),
+        min_size=1,
+        max_size=12,
     ),
     budget=st.integers(4, 40),
     max_seqs=st.integers(1, 4),
@@ -136,15 +163,25 @@ workload_st = dict(
 )
 
 
-def _run_workload(shared, requests, budget, max_seqs, extra_blocks, retention, kind) -> tuple[Scheduler, list[Sequence]]:
+def _run_workload(
+    shared, requests, budget, max_seqs, extra_blocks, retention, kind
+) -> tuple[Scheduler, list[Sequence]]:
     prompts = [shared[p % len(shared)] + suffix for p, suffix, _, _ in requests]
     biggest = max(math.ceil((len(p) + m) / PAGE) for p, (_, _, m, _) in zip(prompts, requests))
     # Room for the largest request's pages (or, without attention layers, one checkpoint) plus a few spare.
-    sched = _scheduler(2 + (biggest if kind != "mamba" else 0) + extra_blocks, max_seqs, budget, retention=retention,
-                       attention=kind != "mamba", mamba=kind != "attention")
+    sched = _scheduler(
+        2 + (biggest if kind != "mamba" else 0) + extra_blocks,
+        max_seqs,
+        budget,
+        retention=retention,
+        attention=kind != "mamba",
+        mamba=kind != "attention",
+    )
     seqs, outputs = [], {}
     for i, (prompt, (_, _, max_tokens, salt)) in enumerate(zip(prompts, requests)):
-        seqs.append(Sequence(str(i), i, list(prompt), len(prompt), SamplingParams(max_tokens=max_tokens), 0, cache_salt=salt))
+        seqs.append(
+            Sequence(str(i), i, list(prompt), len(prompt), SamplingParams(max_tokens=max_tokens), 0, cache_salt=salt)
+        )
         outputs[str(i)] = [(i + k) % 4 for k in range(max_tokens)]
     _drive(sched, FakeDevice(), seqs, outputs)
     return sched, seqs
@@ -154,8 +191,15 @@ def _run_workload(shared, requests, budget, max_seqs, extra_blocks, retention, k
 @given(**workload_st)
 # Found by the search: a hit whose checkpoint pins the blocks the rest of the prompt needs,
 # with nothing running that could free others (the sequence must be taken as a miss).
-@example(shared=[[]], requests=[(0, [0], 1, None), (0, [0] * 4, 1, None), (0, [0] * 8, 1, None)], budget=4,
-         max_seqs=1, extra_blocks=0, retention=None, kind="hybrid")
+@example(
+    shared=[[]],
+    requests=[(0, [0], 1, None), (0, [0] * 4, 1, None), (0, [0] * 8, 1, None)],
+    budget=4,
+    max_seqs=1,
+    extra_blocks=0,
+    retention=None,
+    kind="hybrid",
+)
 def test_random_workloads_keep_the_caches_consistent(shared, requests, budget, max_seqs, extra_blocks, retention, kind):
     """Requests built from a few shared prefixes (so hits, junctions and shared pages happen)
     under tight pools: every step reads exactly the right tokens and states, the invariants
@@ -166,7 +210,9 @@ def test_random_workloads_keep_the_caches_consistent(shared, requests, budget, m
     assert all(s.status is Status.FINISHED and s.num_output_tokens == s.params.max_tokens for s in seqs)
     _assert_all_returned(sched)
     for s in seqs:
-        assert s.num_cached_tokens is not None and s.num_cached_tokens % PAGE == 0 and s.num_cached_tokens < len(s.tokens)
+        assert (
+            s.num_cached_tokens is not None and s.num_cached_tokens % PAGE == 0 and s.num_cached_tokens < len(s.tokens)
+        )
 
 
 def test_a_broken_eviction_is_caught(monkeypatch):
@@ -183,7 +229,9 @@ def test_a_broken_eviction_is_caught(monkeypatch):
         _run_workload(shared, requests, budget=16, max_seqs=2, extra_blocks=12, retention=None, kind="hybrid")
 
 
-def _one(sched: Scheduler, device: FakeDevice, tokens: list[int], rid: str, max_tokens: int = 1, salt: str | None = None) -> Sequence:
+def _one(
+    sched: Scheduler, device: FakeDevice, tokens: list[int], rid: str, max_tokens: int = 1, salt: str | None = None
+) -> Sequence:
     seq = Sequence(rid, 0, list(tokens), len(tokens), SamplingParams(max_tokens=max_tokens), 0, cache_salt=salt)
     _drive(sched, device, [seq], {rid: [7] * max_tokens})
     return seq

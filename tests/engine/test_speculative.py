@@ -17,11 +17,18 @@ from jaxengine.run_config import ConfigError, load_run_config
 from tests.models.tiny_models import VOCAB_SIZE, hf_greedy, random_prompt, save_tiny_model
 from tests.property_examples import examples
 
-ARGS = dict(max_model_len=384, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False,
-            compilation_cache_dir=None)
+ARGS = dict(
+    max_model_len=384, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False, compilation_cache_dir=None
+)
 K = 3
 # Always drafting (not `adaptive`), so every test verifies drafts whatever the step times.
-NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1, "adaptive": False}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": K,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+    "adaptive": False,
+}
 # Attention only, Mamba2 with attention, Gated DeltaNet with gated attention, short convs
 # with attention.
 ARCHS = ("llama", "bamba", "qwen3_5", "lfm2", "falcon_h1", "zamba2", "jamba")
@@ -31,29 +38,45 @@ def _prompts() -> list[list[int]]:
     """Five prompts for four sequence slots (a late admission makes mixed prefill and verify
     steps); repetitive ones give ngram drafts."""
     loop = [5, 6, 7, 8, 9] * 5
-    return [loop, random_prompt(37, 1), [3, 1, 4, 1, 5, 9, 2, 6] * 3, random_prompt(9, 2), loop[:13] + random_prompt(6, 3)]
+    return [
+        loop,
+        random_prompt(37, 1),
+        [3, 1, 4, 1, 5, 9, 2, 6] * 3,
+        random_prompt(9, 2),
+        loop[:13] + random_prompt(6, 3),
+    ]
 
 
 def _params(stop_id: int) -> list[SamplingParams]:
     greedy = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
-    return [greedy, greedy, dataclasses.replace(greedy, stop_token_ids=(stop_id,)),
-            dataclasses.replace(greedy, min_tokens=10, stop_token_ids=(stop_id,)), greedy]
+    return [
+        greedy,
+        greedy,
+        dataclasses.replace(greedy, stop_token_ids=(stop_id,)),
+        dataclasses.replace(greedy, min_tokens=10, stop_token_ids=(stop_id,)),
+        greedy,
+    ]
 
 
 def _run(llm: LLM, stop_id: int) -> list[tuple[list[int], str]]:
     """Two rounds of the same prompts (the second hits the prefix cache)."""
     out = []
     for _ in range(2):
-        out += [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(_prompts(), _params(stop_id), use_tqdm=False)]
+        out += [
+            (o.outputs[0].token_ids, o.outputs[0].finish_reason)
+            for o in llm.generate(_prompts(), _params(stop_id), use_tqdm=False)
+        ]
     return out
 
 
 def _oracle(want: dict[tuple, list[int]], wrong: bool):
     """Drafts that are the target's own greedy continuation (always accepted) or never it."""
+
     def draft(seq, limit):
         done = seq.num_output_tokens
         future = want[tuple(seq.tokens[: seq.num_prompt_tokens])][done : done + limit]
         return [(t + 1) % VOCAB_SIZE for t in future] if wrong else future
+
     return draft
 
 
@@ -88,8 +111,13 @@ def check_admission_without_speculation(engine, model, pools_name: str, k_index:
     engine.gate.admits = lambda num_seqs: asked.append(num_seqs) or len(asked) > 1  # no, then yes
     runner = engine.runner
     pools = getattr(runner, pools_name)
-    setattr(runner, pools_name, dataclasses.replace(pools, k_pages=tuple(
-        jnp.full_like(k, jnp.nan) if i == k_index else k for i, k in enumerate(pools.k_pages))))
+    setattr(
+        runner,
+        pools_name,
+        dataclasses.replace(
+            pools, k_pages=tuple(jnp.full_like(k, jnp.nan) if i == k_index else k for i, k in enumerate(pools.k_pages))
+        ),
+    )
 
     def written(blocks) -> list[bool]:  # per block: the draft's K entries were written
         k = np.asarray(getattr(runner, pools_name).k_pages[k_index])[sorted(blocks)]
@@ -137,7 +165,8 @@ def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_p
     sample = llm.engine.runner.sample
     llm.engine.runner.sample = lambda batch, sampling, decode: (
         steps.add((decode, bool(np.any(sampling.num_drafts > 0)), sampling.sample_rows.shape[1])),
-        sample(batch, sampling, decode))[1]
+        sample(batch, sampling, decode),
+    )[1]
     first = llm.generate(_prompts()[2:3], _params(0)[0], use_tqdm=False)[0].outputs[0].token_ids
     stop_id = first[5]  # a token the third prompt's output reaches
     want = _run(llm, stop_id)
@@ -156,8 +185,11 @@ def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_p
     before = llm.stats()
     assert _run(llm, stop_id) == want
     after = llm.stats()
-    assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] == (
-        after["spec_draft_tokens"] - before["spec_draft_tokens"]) > 0  # every draft accepted
+    assert (
+        after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+        == (after["spec_draft_tokens"] - before["spec_draft_tokens"])
+        > 0
+    )  # every draft accepted
     assert {decode for decode, verifies, _ in steps if verifies} == {True, False}  # mixed steps too, beside a prefill
     # A step that verifies drafts samples k + 1 rows per sequence; one that verifies none,
     # decode or mixed, runs in a plain engine's shape.
@@ -197,10 +229,14 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(tiny
     """Each verify row draws its output index with the request's key for that index, so a
     seeded request samples the same tokens (temperature, top-k, top-p; and greedy) as an
     engine without speculation, whatever is accepted."""
-    params = [SamplingParams(max_tokens=12, temperature=t, seed=s, top_k=k, top_p=p, ignore_eos=True)
-              for t, s, k, p in ((0.8, 1, 0, 1.0), (0.8, 2, 20, 1.0), (0.8, 3, 0, 0.7), (0.0, 4, 0, 1.0))]
+    params = [
+        SamplingParams(max_tokens=12, temperature=t, seed=s, top_k=k, top_p=p, ignore_eos=True)
+        for t, s, k, p in ((0.8, 1, 0, 1.0), (0.8, 2, 20, 1.0), (0.8, 3, 0, 0.7), (0.0, 4, 0, 1.0))
+    ]
     prompts = _prompts()[:4]
-    want = [o.outputs[0].token_ids for o in LLM(tiny_models["bamba"][0], **ARGS).generate(prompts, params, use_tqdm=False)]
+    want = [
+        o.outputs[0].token_ids for o in LLM(tiny_models["bamba"][0], **ARGS).generate(prompts, params, use_tqdm=False)
+    ]
     continuation = {tuple(p): o for p, o in zip(prompts, want)}
     bamba_spec.engine.draft = _oracle(continuation, wrong=False)  # right after the first token
     try:
@@ -262,8 +298,12 @@ def _brute_force_lookup(tokens: list[int], k: int, lookup_min: int, lookup_max: 
 
 
 @settings(max_examples=examples(200), deadline=None)
-@given(tokens=st.lists(st.integers(0, 3), max_size=60), cuts=st.lists(st.integers(0, 60), max_size=8),
-       k=st.integers(0, 5), bounds=st.tuples(st.integers(1, 4), st.integers(0, 3)))
+@given(
+    tokens=st.lists(st.integers(0, 3), max_size=60),
+    cuts=st.lists(st.integers(0, 60), max_size=8),
+    k=st.integers(0, 5),
+    bounds=st.tuples(st.integers(1, 4), st.integers(0, 3)),
+)
 def test_ngram_lookup_kept_up_to_date_matches_the_definition(tokens, cuts, k, bounds):
     """One index, looked up as the tokens grow by uneven amounts (none, one, many), proposes
     at every length what the definition proposes."""
@@ -274,19 +314,24 @@ def test_ngram_lookup_kept_up_to_date_matches_the_definition(tokens, cuts, k, bo
         assert index.propose(tokens[:end], k) == _brute_force_lookup(tokens[:end], k, lookup_min, lookup_max)
 
 
-@pytest.mark.parametrize("config, field", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": 40}, "max_num_batched_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
-     "prompt_lookup_min"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": -1}, "prompt_lookup_max"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
-    ({"method": "ngram", "model": "/nowhere", "num_speculative_tokens": 2}, "model"),
-    ("ngram", "mapping"),
-])
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 40}, "max_num_batched_tokens"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "prompt_lookup_min",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": -1}, "prompt_lookup_max"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+        ({"method": "ngram", "model": "/nowhere", "num_speculative_tokens": 2}, "model"),
+        ("ngram", "mapping"),
+    ],
+)
 def test_bad_speculative_config_is_refused_before_loading(config, field, tmp_path):
     with pytest.raises(ValueError, match="speculative_config") as err:
         LLM(tmp_path / "no_model_here", speculative_config=config, **ARGS)  # fails before reading the model
@@ -307,8 +352,17 @@ def test_ngram_lookup_bounds_default_as_in_vllm():
 def test_speculative_config_in_a_yaml_engine_section(tmp_path):
     def config(spec) -> str:
         path = tmp_path / "run.yaml"
-        path.write_text(yaml.safe_dump({"model": str(tmp_path), "engine": {"speculative_config": spec},
-                                        "input": str(tmp_path / "in.jsonl"), "output": "o", "metrics": "m"}))
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "model": str(tmp_path),
+                    "engine": {"speculative_config": spec},
+                    "input": str(tmp_path / "in.jsonl"),
+                    "output": "o",
+                    "metrics": "m",
+                }
+            )
+        )
         (tmp_path / "in.jsonl").write_text('{"prompt": "x"}\n')
         (tmp_path / "config.json").write_text("{}")
         return path
@@ -412,8 +466,9 @@ def test_the_gate_times_every_decode_and_verify_step_but_a_shapes_first(tiny_mod
     engine.draft = lambda seq, limit: [1] * limit
     keys, timed = [], []  # each step's executable key; the steps (1-based) whose time the gate got
     sample = engine.runner.sample
-    engine.runner.sample = lambda batch, sampling, decode: keys.append(
-        shape_key(batch, sampling, decode)) or sample(batch, sampling, decode)
+    engine.runner.sample = lambda batch, sampling, decode: (
+        keys.append(shape_key(batch, sampling, decode)) or sample(batch, sampling, decode)
+    )
     engine.gate.record_decode = engine.gate.record_verify = lambda *args, **kwargs: timed.append(len(keys))
     prompts = [random_prompt(25, seed) for seed in (1, 2, 3)]
     llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)

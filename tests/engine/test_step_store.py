@@ -77,8 +77,13 @@ print(len(compiles), out[0].outputs[0].token_ids)
 
 
 def _fresh_process(model, args: dict) -> tuple[int, list[int]]:
-    run = subprocess.run([sys.executable, "-c", IN_A_FRESH_PROCESS, str(model), repr(args), repr(PROMPT)],
-                         check=True, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", IN_A_FRESH_PROCESS, str(model), repr(args), repr(PROMPT)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     compiles, tokens = run.stdout.strip().splitlines()[-1].split(" ", 1)
     return int(compiles), eval(tokens)
 
@@ -128,9 +133,11 @@ def test_the_key_names_the_devices():
     here = jax.ShapeDtypeStruct((4,), "int32", sharding=jax.sharding.SingleDeviceSharding(devices[0]))
     there = jax.ShapeDtypeStruct((4,), "int32", sharding=jax.sharding.SingleDeviceSharding(devices[2]))
     assert store.key({}, here) != store.key({}, there)
-    mesh = [jax.sharding.Mesh(devices[i:i + 2], ("tp",)) for i in (0, 2)]
-    split = [jax.ShapeDtypeStruct((4,), "int32", sharding=jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec("tp")))
-             for m in mesh]
+    mesh = [jax.sharding.Mesh(devices[i : i + 2], ("tp",)) for i in (0, 2)]
+    split = [
+        jax.ShapeDtypeStruct((4,), "int32", sharding=jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec("tp")))
+        for m in mesh
+    ]
     assert store.key({}, split[0]) != store.key({}, split[1])
 
 
@@ -164,8 +171,9 @@ def test_a_stored_step_that_fails_when_run_is_compiled_again_and_replaced(tiny_m
     assert sum(path.read_bytes() != wrong for path in files) == steps.recompiled_after_failure  # replaced
 
 
-def test_a_stored_step_that_fails_after_taking_the_pools_loses_one_step_only(tiny_models, store_of_other_shapes,
-                                                                            monkeypatch):
+def test_a_stored_step_that_fails_after_taking_the_pools_loses_one_step_only(
+    tiny_models, store_of_other_shapes, monkeypatch
+):
     """As XLA:CPU's own failure does ("NOT_FOUND: Function ... not found" when the outputs are
     read): the step ran, took the pools and failed; the engine recovers and goes on."""
     args, tokens, files = store_of_other_shapes
@@ -187,6 +195,7 @@ def test_a_stored_step_that_fails_after_taking_the_pools_loses_one_step_only(tin
         def run(**kwargs):
             executable(**kwargs)  # donates the pools
             raise jax.errors.JaxRuntimeError("NOT_FOUND: Function fusion.3 not found")
+
         return run
 
     monkeypatch.setattr(step_store.StepStore, "load", failing_after_the_run)
@@ -214,9 +223,19 @@ def test_programs_that_share_a_store_in_turn_give_the_tokens_of_no_store(tiny_mo
     model = tiny_models["bamba"][0]
     other = dict(ARGS, max_model_len=48)
     env = {**os.environ, "HOME": str(tmp_path)}
-    got = [subprocess.run([sys.executable, "-c", PROGRAM, str(model), repr(args), repr(PROMPT)], env=env, check=True,
-                          capture_output=True, text=True, timeout=600).stdout.strip().splitlines()[-1]
-           for args in (ARGS, other, ARGS)]
+    got = [
+        subprocess.run(
+            [sys.executable, "-c", PROGRAM, str(model), repr(args), repr(PROMPT)],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+        for args in (ARGS, other, ARGS)
+    ]
     want = stored[2], _tokens(LLM(model, **{**other, "compilation_cache_dir": None}))
     assert [eval(tokens) for tokens in got] == [want[0], want[1], want[0]]
     assert len(list((tmp_path / ".cache" / "jaxengine" / "xla" / "steps").glob("*.bin"))) == 6  # 3 shapes each

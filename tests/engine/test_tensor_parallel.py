@@ -18,8 +18,9 @@ from jaxengine.models.loader import load_model, save_params
 from tests.engine.test_pool_donation import assert_no_step_copies_a_pool
 from tests.models.tiny_models import ARCHS, hf_greedy, random_prompt, save_tiny_model
 
-ARGS = dict(max_model_len=128, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False,
-            compilation_cache_dir=None)
+ARGS = dict(
+    max_model_len=128, page_size=4, max_num_seqs=4, max_num_batched_tokens=32, warm_up=False, compilation_cache_dir=None
+)
 SHARED = random_prompt(40, 1)
 # The second request shares the first's 36-token prefix: a hit of 32 tokens (8 pages).
 PROMPTS = ([SHARED], [SHARED[:36] + random_prompt(9, 2), random_prompt(17, 3)])
@@ -74,8 +75,10 @@ def _specs(llm: LLM) -> dict[str, tuple]:
     """Each parameter's partition spec by its path, e.g. 'layers/1/mixer/q_proj/kernel'."""
     runner = llm.engine.runner
     params = jax.tree.unflatten(runner.param_treedef, runner.param_leaves)
-    paths = [jax.tree_util.keystr(p, simple=True, separator="/").removesuffix("/value")
-             for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    paths = [
+        jax.tree_util.keystr(p, simple=True, separator="/").removesuffix("/value")
+        for p, _ in jax.tree_util.tree_leaves_with_path(params)
+    ]
     return {path: tuple(leaf.sharding.spec) for path, leaf in zip(paths, runner.param_leaves)}
 
 

@@ -12,11 +12,14 @@ from jaxengine import LLM, SamplingParams
 from jaxengine.engine import vllm_args
 from jaxengine.run_config import DEFAULT_MODEL
 
-ARGS = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, enforce_eager=True,
-            compilation_cache_dir=None)
+ARGS = dict(
+    max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, enforce_eager=True, compilation_cache_dir=None
+)
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n"
-TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}### assistant:\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant:\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +38,9 @@ def test_outputs_are_shaped_as_vllms(llm: LLM):
     assert sample.text == llm.get_tokenizer().decode(sample.token_ids)
     assert sample.stop_reason is None and sample.cumulative_logprob is None and sample.logprobs is None
     same = llm.generate({"prompt": PROMPT}, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
-    ids = llm.generate({"prompt_token_ids": out.prompt_token_ids}, SamplingParams(max_tokens=5, temperature=0.0,
-                                                                                   ignore_eos=True))[0]
+    ids = llm.generate(
+        {"prompt_token_ids": out.prompt_token_ids}, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    )[0]
     assert same.outputs[0].token_ids == ids.outputs[0].token_ids == sample.token_ids
     assert ids.prompt is None  # given as ids
 
@@ -51,7 +55,9 @@ def test_n_samples_share_the_prompts_cached_pages(llm: LLM):
     # Samples 1 and 2 start from sample 0's pages: every full page but the one holding the last token.
     assert llm.stats()["tokens_hit"] - before >= 2 * ((num_prompt - 1) // 16) * 16 > 0
     # As vLLM seeds sample j with seed + j: sample 1 is the seed-12 draw of the prompt.
-    alone = llm.generate([PROMPT + "    # one\n"], SamplingParams(max_tokens=6, temperature=1.0, seed=12, ignore_eos=True))
+    alone = llm.generate(
+        [PROMPT + "    # one\n"], SamplingParams(max_tokens=6, temperature=1.0, seed=12, ignore_eos=True)
+    )
     assert alone[0].outputs[0].token_ids == out.outputs[1].token_ids
 
 
@@ -62,8 +68,10 @@ def test_a_multi_character_stop_string_is_matched_whole(llm: LLM):
     cut = text.index(stop)
     out = llm.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=stop))[0].outputs[0]
     assert out.text == text[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
-    kept = llm.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=stop,
-                                               include_stop_str_in_output=True))[0].outputs[0]
+    kept = llm.generate(
+        PROMPT,
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=stop, include_stop_str_in_output=True),
+    )[0].outputs[0]
     assert kept.text == text[: cut + len(stop)]
     token = llm.generate(PROMPT, greedy)[0].outputs[0].token_ids[2]
     by_id = llm.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[token]))[0].outputs[0]
@@ -112,9 +120,19 @@ def test_chat_renders_the_template_and_tokenizes_once(llm: LLM):
 def test_vllm_engine_arguments_are_taken_or_refused_by_name(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(vllm_args, "_logged", set())  # each is logged once per process
     with caplog.at_level(logging.INFO, logger="jaxengine"):
-        llm = LLM(str(DEFAULT_MODEL), **ARGS, trust_remote_code=True, swap_space=4, tensor_parallel_size=1,
-                  block_size=8, gpu_memory_utilization=0.5, dtype="float", seed=3, kv_cache_dtype="auto",
-                  tokenizer=str(DEFAULT_MODEL))
+        llm = LLM(
+            str(DEFAULT_MODEL),
+            **ARGS,
+            trust_remote_code=True,
+            swap_space=4,
+            tensor_parallel_size=1,
+            block_size=8,
+            gpu_memory_utilization=0.5,
+            dtype="float",
+            seed=3,
+            kv_cache_dtype="auto",
+            tokenizer=str(DEFAULT_MODEL),
+        )
     assert llm.engine.config.page_size == 8 and llm.engine.config.dtype == "float32"
     assert not llm.engine.config.warm_up  # enforce_eager
     assert "trust_remote_code=True has no effect" in caplog.text
@@ -158,15 +176,18 @@ def test_bad_words_allowed_token_ids_and_logit_bias_are_masks_in_the_compiled_st
         return any(ids[i : i + len(sub)] == sub for i in range(len(ids) - len(sub) + 1))
 
     assert any(contains(plain.token_ids, v) for v in variants)
-    banned = llm.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
-                                                 bad_words=[word]))[0].outputs[0]
+    banned = llm.generate(PROMPT, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, bad_words=[word]))[
+        0
+    ].outputs[0]
     assert not any(contains(banned.token_ids, v) for v in variants) and banned.token_ids != plain.token_ids
     allowed = sorted(set(plain.token_ids[5:]))
-    only = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=0, ignore_eos=True,
-                                               allowed_token_ids=allowed))[0].outputs[0]
+    only = llm.generate(
+        PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=0, ignore_eos=True, allowed_token_ids=allowed)
+    )[0].outputs[0]
     assert set(only.token_ids) <= set(allowed)
-    forced = llm.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
-                                                 logit_bias={allowed[0]: 100.0}))[0].outputs[0]
+    forced = llm.generate(
+        PROMPT, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logit_bias={allowed[0]: 100.0})
+    )[0].outputs[0]
     assert forced.token_ids == [allowed[0]] * 6
     assert llm.engine.runner.num_compiled_steps() == compiled  # the same step shapes: no recompile
 

@@ -34,9 +34,15 @@ PROMPTS = [random_prompt(29, seed) for seed in range(8)]  # 29 tokens: the parit
 
 @pytest.mark.parametrize(
     "arch, max_outlier_fraction",
-    [("bamba", 0.0), pytest.param("nemotron_h", 0.05, id="nemotron_h-moe"), ("qwen3_5", 0.05), ("lfm2", 0.0),
-     pytest.param("falcon_h1", 0.0, marks=pytest.mark.slow), pytest.param("zamba2", 0.0, marks=pytest.mark.slow),
-     pytest.param("jamba", 0.05, id="jamba-moe")],
+    [
+        ("bamba", 0.0),
+        pytest.param("nemotron_h", 0.05, id="nemotron_h-moe"),
+        ("qwen3_5", 0.05),
+        ("lfm2", 0.0),
+        pytest.param("falcon_h1", 0.0, marks=pytest.mark.slow),
+        pytest.param("zamba2", 0.0, marks=pytest.mark.slow),
+        pytest.param("jamba", 0.05, id="jamba-moe"),
+    ],
 )
 def test_bfloat16_logits_close_to_float32_reference(arch, max_outlier_fraction, tmp_path):
     model = save_tiny_model(arch, tmp_path)

@@ -31,8 +31,10 @@ def test_states_round_trip(tmp_path, arch, dtype):
     blocks = jnp.asarray(order[: 3 * nb].reshape(3, nb), jnp.int32)
     shape = (3, m.num_heads, m.head_dim, m.state_size)
     conv = [jnp.asarray(rng.standard_normal((3, m.conv_dim, m.conv_kernel)), dtype) for _ in layout.layers]
-    ssm = [rng.standard_normal(shape).astype(np.float32) * np.exp(rng.uniform(-20, 20, shape)).astype(np.float32)
-           for _ in layout.layers]
+    ssm = [
+        rng.standard_normal(shape).astype(np.float32) * np.exp(rng.uniform(-20, 20, shape)).astype(np.float32)
+        for _ in layout.layers
+    ]
     for j in range(len(layout.layers)):
         layout.write(arrays, blocks, j, (conv[j], jnp.asarray(ssm[j])))
     for j in range(len(layout.layers)):

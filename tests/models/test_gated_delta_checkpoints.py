@@ -43,7 +43,7 @@ def _fuse_experts(tensors: dict[str, np.ndarray]) -> None:
     layers = sorted({name.split(".mlp.experts.")[0] for name in tensors if ".mlp.experts." in name})
     for layer in layers:
         prefix = f"{layer}.mlp.experts."
-        num = 1 + max(int(n[len(prefix):].split(".")[0]) for n in tensors if n.startswith(prefix))
+        num = 1 + max(int(n[len(prefix) :].split(".")[0]) for n in tensors if n.startswith(prefix))
         parts = [tuple(tensors.pop(f"{prefix}{e}.{p}_proj.weight") for p in ("gate", "up", "down")) for e in range(num)]
         tensors[prefix + "gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u, _ in parts])
         tensors[prefix + "down_proj"] = np.stack([d for _, _, d in parts])
@@ -60,17 +60,25 @@ def test_fused_expert_tensors_load_like_per_expert_ones(tmp_path):
 def test_a_missing_projection_names_the_columns_it_leaves_empty(qwen3_5, tmp_path):
     broken = Path(shutil.copytree(qwen3_5, tmp_path / "model"))
     edit_tensors(broken, lambda t: t.pop("model.layers.0.linear_attn.in_proj_z.weight"))
-    with pytest.raises(ValueError, match=r"missing columns \[96, 128\) of parameter layers/0/gated_delta/in_proj/kernel"):
+    with pytest.raises(
+        ValueError, match=r"missing columns \[96, 128\) of parameter layers/0/gated_delta/in_proj/kernel"
+    ):
         load_model(broken)
 
 
 @pytest.mark.parametrize(
     "edit, message",
     [
-        pytest.param(lambda c: c.update(linear_num_value_heads=3), r"linear_num_value_heads=3; supported: a multiple",
-                     id="value-heads"),
-        pytest.param(lambda c: c.update(layer_types=["linear_attention"] * 3 + ["sliding_attention"]),
-                     r"layer_types='sliding_attention'; supported: linear_attention, full_attention", id="layer-type"),
+        pytest.param(
+            lambda c: c.update(linear_num_value_heads=3),
+            r"linear_num_value_heads=3; supported: a multiple",
+            id="value-heads",
+        ),
+        pytest.param(
+            lambda c: c.update(layer_types=["linear_attention"] * 3 + ["sliding_attention"]),
+            r"layer_types='sliding_attention'; supported: linear_attention, full_attention",
+            id="layer-type",
+        ),
         pytest.param(lambda c: c.update(hidden_act="gelu"), r"hidden_act='gelu'; supported: silu", id="activation"),
     ],
 )

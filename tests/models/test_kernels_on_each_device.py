@@ -34,8 +34,20 @@ def _not_split(*args, **kwargs):
 
 
 def _attention(kv_heads: int) -> tuple:
-    case = attention.Case(q_lens=(3, 1, 0, 6), kv_lens=(7, 9, 4, 13), page_size=4, kv_heads=kv_heads, group=2,
-                          head_dim=64, dtype="float32", num_pad=2, sliding_window=None, soft_cap=None, blocks=0, seed=3)
+    case = attention.Case(
+        q_lens=(3, 1, 0, 6),
+        kv_lens=(7, 9, 4, 13),
+        page_size=4,
+        kv_heads=kv_heads,
+        group=2,
+        head_dim=64,
+        dtype="float32",
+        num_pad=2,
+        sliding_window=None,
+        soft_cap=None,
+        blocks=0,
+        seed=3,
+    )
     arrays, _ = attention.make_inputs(case)
     return ragged_paged_attention, arrays, dict(sm_scale=0.125)
 

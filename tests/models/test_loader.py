@@ -39,10 +39,22 @@ from tests.models.tiny_models import (
 from tests.models.tiny_mtp import add_tiny_mtp
 
 PROMPT = random_prompt(29, seed=1)
-SUPPORTED = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM", "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM",
-             "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
-             "Qwen3_5MoeForConditionalGeneration", "Lfm2ForCausalLM", "FalconH1ForCausalLM",
-             "Zamba2ForCausalLM", "JambaForCausalLM")
+SUPPORTED = (
+    "LlamaForCausalLM",
+    "Mamba2ForCausalLM",
+    "BambaForCausalLM",
+    "GraniteMoeHybridForCausalLM",
+    "NemotronHForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Lfm2ForCausalLM",
+    "FalconH1ForCausalLM",
+    "Zamba2ForCausalLM",
+    "JambaForCausalLM",
+)
 
 
 @pytest.fixture(scope="module")
@@ -257,8 +269,11 @@ def test_unsupported_field_value_is_named(bamba_copy, edit, message):
 def test_lfm2_unsupported_layer_type_is_named(tmp_path):
     save_tiny_model("lfm2", tmp_path)
     edit_config(tmp_path, lambda c: c.update(layer_types=["conv", "sliding_attention", "conv"]))
-    with pytest.raises(ValueError, match=r"Lfm2ForCausalLM: unsupported value layer_types='sliding_attention'; "
-                                         r"supported: conv, full_attention"):
+    with pytest.raises(
+        ValueError,
+        match=r"Lfm2ForCausalLM: unsupported value layer_types='sliding_attention'; "
+        r"supported: conv, full_attention",
+    ):
         load_model(tmp_path)
 
 
@@ -275,7 +290,10 @@ def test_nemotron_h_mtp_layers_are_read_and_unsupported_ones_named(tmp_path):
     np.testing.assert_array_equal(np.asarray(mtp["norm"]["weight"]), tensors["mtp.layers.1.final_layernorm.weight"])
     for edit, message in [
         (dict(num_nextn_predict_layers=2), r"num_nextn_predict_layers=2; supported: 0 or 1"),
-        (dict(num_nextn_predict_layers=1, mtp_layers_block_type=["moe", "full_attention"]), r"mtp_layers_block_type=\['moe', 'full_attention'\]"),
+        (
+            dict(num_nextn_predict_layers=1, mtp_layers_block_type=["moe", "full_attention"]),
+            r"mtp_layers_block_type=\['moe', 'full_attention'\]",
+        ),
     ]:
         edit_config(src, lambda c, edit=edit: c.update(edit))
         with pytest.raises(ValueError, match=r"NemotronHForCausalLM: unsupported value " + message):
@@ -314,7 +332,11 @@ def test_time_step_limit_with_encoded_infinity(arch, tmp_path):
 
 @pytest.mark.parametrize(
     "limit, expected",
-    [([0.0, {"__float__": "Infinity"}], (0.0, math.inf)), ([0.0, math.inf], (0.0, math.inf)), ([0.01, 5.0], (0.01, 5.0))],
+    [
+        ([0.0, {"__float__": "Infinity"}], (0.0, math.inf)),
+        ([0.0, math.inf], (0.0, math.inf)),
+        ([0.01, 5.0], (0.01, 5.0)),
+    ],
 )
 def test_time_step_limit_forms(bamba_copy, limit, expected):
     """The limit as HF encodes it, as a bare JSON `Infinity`, and finite."""
@@ -360,8 +382,11 @@ def re_escape_path(path: Path) -> str:
 def test_falcon_h1_multiplier_lists_of_the_wrong_length_are_named(tmp_path):
     save_tiny_model("falcon_h1", tmp_path)
     edit_config(tmp_path, lambda c: c.update(ssm_multipliers=[1.0, 1.0, 1.0, 1.0]))
-    with pytest.raises(ValueError, match=r"FalconH1ForCausalLM: unsupported value ssm_multipliers=\[1\.0, 1\.0, 1\.0, "
-                                         r"1\.0\]; supported: a list of 5 numbers"):
+    with pytest.raises(
+        ValueError,
+        match=r"FalconH1ForCausalLM: unsupported value ssm_multipliers=\[1\.0, 1\.0, 1\.0, "
+        r"1\.0\]; supported: a list of 5 numbers",
+    ):
         load_model(tmp_path)
 
 
@@ -376,8 +401,9 @@ def test_falcon_h1_multipliers_are_folded_into_the_projections(tmp_path):
     params = state.to_pure_dict()["layers"][0]
     k_kernel = attn.k_proj.weight.detach().numpy().T * hf_cfg.attention_in_multiplier * hf_cfg.key_multiplier
     np.testing.assert_allclose(params["attention"]["k_proj"]["kernel"], k_kernel, rtol=1e-6)
-    np.testing.assert_allclose(params["attention"]["k_proj"]["bias"], attn.k_proj.bias.detach().numpy()
-                               * hf_cfg.key_multiplier, rtol=1e-6)
+    np.testing.assert_allclose(
+        params["attention"]["k_proj"]["bias"], attn.k_proj.bias.detach().numpy() * hf_cfg.key_multiplier, rtol=1e-6
+    )
     heads = hf_cfg.mamba_n_heads
     dt_rows = mamba.in_proj.weight.detach().numpy()[-heads:].T
     want = dt_rows * hf_cfg.ssm_in_multiplier * hf_cfg.ssm_multipliers[4]
@@ -396,8 +422,11 @@ def test_a_stored_falcon_h1_mup_vector_is_not_loaded(tmp_path):
 def test_zamba2_attention_adapters_need_as_many_kv_heads_as_heads(tmp_path):
     save_tiny_model("zamba2", tmp_path)
     edit_config(tmp_path, lambda c: c.update(num_key_value_heads=2))
-    with pytest.raises(ValueError, match=r"Zamba2ForCausalLM: unsupported value num_key_value_heads=2; "
-                                         r"supported: num_attention_heads=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"Zamba2ForCausalLM: unsupported value num_key_value_heads=2; "
+        r"supported: num_attention_heads=4",
+    ):
         load_model(tmp_path)
 
 
@@ -411,8 +440,10 @@ def test_zamba2_shared_blocks_load_once_and_adapters_per_use(tmp_path):
     params = state.to_pure_dict()
     assert sorted(params["shared_blocks"]) == [0, 1]
     hf_layers = model.model.layers
-    np.testing.assert_array_equal(params["shared_blocks"][1]["attention"]["q_proj"]["kernel"],
-                                  hf_layers[3].shared_transformer.self_attn.q_proj.weight.detach().numpy().T)
+    np.testing.assert_array_equal(
+        params["shared_blocks"][1]["attention"]["q_proj"]["kernel"],
+        hf_layers[3].shared_transformer.self_attn.q_proj.weight.detach().numpy().T,
+    )
     third_use = hf_layers[1].shared_transformer.self_attn.linear_k_adapter_list[2][1].weight  # [out, rank]
     np.testing.assert_array_equal(params["layers"][4]["shared_use"]["k"]["up"]["kernel"], third_use.detach().numpy().T)
 
@@ -423,8 +454,10 @@ def _fuse_jamba_experts(tensors: dict[str, np.ndarray]) -> None:
     for name in [n for n in tensors if n.endswith("experts.0.gate_proj.weight")]:
         prefix = name.removesuffix("0.gate_proj.weight")
         count = len([n for n in tensors if n.startswith(prefix) and n.endswith(".gate_proj.weight")])
-        gate_up = [np.concatenate([tensors.pop(f"{prefix}{e}.gate_proj.weight"), tensors.pop(f"{prefix}{e}.up_proj.weight")])
-                   for e in range(count)]
+        gate_up = [
+            np.concatenate([tensors.pop(f"{prefix}{e}.gate_proj.weight"), tensors.pop(f"{prefix}{e}.up_proj.weight")])
+            for e in range(count)
+        ]
         tensors[prefix + "gate_up_proj"] = np.stack(gate_up)
         tensors[prefix + "down_proj"] = np.stack([tensors.pop(f"{prefix}{e}.down_proj.weight") for e in range(count)])
 

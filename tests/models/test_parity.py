@@ -96,7 +96,9 @@ def test_greedy_generate_matches_hf(case: Case):
         want = hf_greedy(case.hf, prompt, MAX_NEW_TOKENS)
         assert out.prompt_token_ids == prompt
         assert out.outputs[0].finish_reason == "length"
-        assert out.outputs[0].token_ids == want, f"prompt of {len(prompt)} tokens: first divergence at {first_difference(out.outputs[0].token_ids, want)}"
+        assert out.outputs[0].token_ids == want, (
+            f"prompt of {len(prompt)} tokens: first divergence at {first_difference(out.outputs[0].token_ids, want)}"
+        )
 
 
 def test_new_request_does_not_inherit_previous_state(case: Case):

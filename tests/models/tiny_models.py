@@ -59,9 +59,22 @@ from transformers import (
 
 # Every supported architecture as transformers saves it; "qwen3_5_vl" (a released Qwen3.5
 # checkpoint's layout, the text model inside a vision-language one) is built too.
-ARCHS = ("llama", "mamba2", "bamba", "granite_moe", "granite_dense", "nemotron_h", "qwen3_next", "qwen3_5",
-         "qwen3_5_moe", "lfm2", "falcon_h1", "falcon_h1_plain",
-         "zamba2", "jamba")
+ARCHS = (
+    "llama",
+    "mamba2",
+    "bamba",
+    "granite_moe",
+    "granite_dense",
+    "nemotron_h",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "lfm2",
+    "falcon_h1",
+    "falcon_h1_plain",
+    "zamba2",
+    "jamba",
+)
 VOCAB_SIZE = 128
 CHUNK_SIZE = 8  # Mamba2 chunk size: small, so short prompts span several chunks
 MAX_POSITIONS = 512  # room for the engine tests' longer prompts
@@ -90,8 +103,15 @@ _ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2)
 # Three Gated DeltaNet layers to one gated attention layer; two value heads per key head;
 # partial rotary embedding (a quarter of the head).
 _QWEN = dict(
-    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
     max_position_embeddings=MAX_POSITIONS,
 )
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
@@ -106,40 +126,93 @@ def tiny_config(arch: str, *, tie: bool = False) -> tuple[type[PreTrainedModel],
         )
     if arch == "mamba2":
         return Mamba2ForCausalLM, Mamba2Config(
-            **common, num_hidden_layers=2, num_heads=8, head_dim=16, expand=2, state_size=16, n_groups=2,
-            conv_kernel=4, chunk_size=CHUNK_SIZE,
+            **common,
+            num_hidden_layers=2,
+            num_heads=8,
+            head_dim=16,
+            expand=2,
+            state_size=16,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=CHUNK_SIZE,
         )
     if arch == "bamba":
         return BambaForCausalLM, BambaConfig(
-            **common, **_ATTENTION, **_MAMBA, intermediate_size=128, num_hidden_layers=3, attn_layer_indices=[1],
-            mamba_d_head="auto", mamba_chunk_size=CHUNK_SIZE, max_position_embeddings=MAX_POSITIONS,
+            **common,
+            **_ATTENTION,
+            **_MAMBA,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            attn_layer_indices=[1],
+            mamba_d_head="auto",
+            mamba_chunk_size=CHUNK_SIZE,
+            max_position_embeddings=MAX_POSITIONS,
         )
     if arch == "granite_moe":  # MoE feed-forward, rope, and every Granite multiplier != 1
         return GraniteMoeHybridForCausalLM, GraniteMoeHybridConfig(
-            **common, **_ATTENTION, **_MAMBA, intermediate_size=32, num_hidden_layers=3,
+            **common,
+            **_ATTENTION,
+            **_MAMBA,
+            intermediate_size=32,
+            num_hidden_layers=3,
             layer_types=["linear_attention", "full_attention", "linear_attention"],
-            num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=96, mamba_chunk_size=CHUNK_SIZE,
-            position_embedding_type="rope", embedding_multiplier=2.0, residual_multiplier=0.5,
-            attention_multiplier=0.125, logits_scaling=2.0, max_position_embeddings=MAX_POSITIONS,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=96,
+            mamba_chunk_size=CHUNK_SIZE,
+            position_embedding_type="rope",
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.125,
+            logits_scaling=2.0,
+            max_position_embeddings=MAX_POSITIONS,
         )
     if arch == "granite_dense":  # dense shared MLP only, attention without positional embedding
         return GraniteMoeHybridForCausalLM, GraniteMoeHybridConfig(
-            **common, **_ATTENTION, **_MAMBA, intermediate_size=32, num_hidden_layers=3,
-            layer_types=["linear_attention", "full_attention", "linear_attention"], num_local_experts=0,
-            shared_intermediate_size=96, mamba_chunk_size=CHUNK_SIZE, position_embedding_type=None,
+            **common,
+            **_ATTENTION,
+            **_MAMBA,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            num_local_experts=0,
+            shared_intermediate_size=96,
+            mamba_chunk_size=CHUNK_SIZE,
+            position_embedding_type=None,
             max_position_embeddings=MAX_POSITIONS,
         )
     if arch == "nemotron_h":  # Mamba, attention, squared-ReLU MLP, Mamba, MoE
         return NemotronHForCausalLM, NemotronHConfig(
-            **common, **_ATTENTION, hybrid_override_pattern="M*-ME", head_dim=16, intermediate_size=128,
-            mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
-            chunk_size=CHUNK_SIZE, expand=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-            moe_shared_expert_intermediate_size=48, n_group=1, topk_group=1, routed_scaling_factor=2.5,
-            norm_topk_prob=True, max_position_embeddings=MAX_POSITIONS,
+            **common,
+            **_ATTENTION,
+            hybrid_override_pattern="M*-ME",
+            head_dim=16,
+            intermediate_size=128,
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            ssm_state_size=16,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=CHUNK_SIZE,
+            expand=2,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=48,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            max_position_embeddings=MAX_POSITIONS,
         )
     if arch == "qwen3_next":  # MoE layers and one dense layer (mlp_only_layers), grouped projections
         return Qwen3NextForCausalLM, Qwen3NextConfig(
-            **common, **_QWEN, **_QWEN_MOE, intermediate_size=96, mlp_only_layers=[2], norm_topk_prob=True,
+            **common,
+            **_QWEN,
+            **_QWEN_MOE,
+            intermediate_size=96,
+            mlp_only_layers=[2],
+            norm_topk_prob=True,
         )
     if arch == "qwen3_5":  # dense, flat projections
         return Qwen3_5ForCausalLM, Qwen3_5TextConfig(**common, **_QWEN, intermediate_size=96)
@@ -147,46 +220,115 @@ def tiny_config(arch: str, *, tie: bool = False) -> tuple[type[PreTrainedModel],
         return Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**common, **_QWEN, **_QWEN_MOE)
     if arch == "lfm2":  # short convs around an attention layer, biases on, the MLP width auto-adjusted (to 96)
         return Lfm2ForCausalLM, Lfm2Config(
-            **common, **_ATTENTION, intermediate_size=128, num_hidden_layers=3,
-            layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, conv_bias=True, block_multiple_of=16,
+            **common,
+            **_ATTENTION,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            layer_types=["conv", "full_attention", "conv"],
+            conv_L_cache=3,
+            conv_bias=True,
+            block_multiple_of=16,
             max_position_embeddings=MAX_POSITIONS,
         )
     if arch == "falcon_h1":  # every muP multiplier != 1, mamba_d_ssm != expand * hidden, norm then gate, biases on
         return FalconH1ForCausalLM, FalconH1Config(
-            **common, **_ATTENTION, head_dim=16, intermediate_size=96, num_hidden_layers=2, mamba_d_ssm=96,
-            mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=CHUNK_SIZE,
-            mamba_rms_norm=True, mamba_norm_before_gate=True, mamba_proj_bias=True, projectors_bias=True,
-            attention_bias=True, mlp_bias=True, embedding_multiplier=2.0, lm_head_multiplier=0.5,
-            key_multiplier=0.7, attention_in_multiplier=1.1, attention_out_multiplier=0.9, ssm_in_multiplier=1.3,
-            ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9], ssm_out_multiplier=0.6, mlp_multipliers=[0.8, 1.25],
+            **common,
+            **_ATTENTION,
+            head_dim=16,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            mamba_d_ssm=96,
+            mamba_n_heads=8,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=CHUNK_SIZE,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=True,
+            mamba_proj_bias=True,
+            projectors_bias=True,
+            attention_bias=True,
+            mlp_bias=True,
+            embedding_multiplier=2.0,
+            lm_head_multiplier=0.5,
+            key_multiplier=0.7,
+            attention_in_multiplier=1.1,
+            attention_out_multiplier=0.9,
+            ssm_in_multiplier=1.3,
+            ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9],
+            ssm_out_multiplier=0.6,
+            mlp_multipliers=[0.8, 1.25],
             max_position_embeddings=MAX_POSITIONS,
         )
     if arch == "falcon_h1_plain":  # the defaults: no Mamba2 norm (only the gate), multipliers 1, no biases
         return FalconH1ForCausalLM, FalconH1Config(
-            **common, **_ATTENTION, head_dim=16, intermediate_size=96, num_hidden_layers=2, mamba_d_ssm=None,
-            mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=CHUNK_SIZE,
+            **common,
+            **_ATTENTION,
+            head_dim=16,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            mamba_d_ssm=None,
+            mamba_n_heads=8,
+            mamba_n_groups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=CHUNK_SIZE,
             max_position_embeddings=MAX_POSITIONS,
         )
     if arch == "zamba2":  # three uses of two shared blocks (block 0 twice), adapters on q/k/v too, RoPE, biases
         return Zamba2ForCausalLM, Zamba2Config(
-            **{**common, "tie_word_embeddings": True}, num_attention_heads=4, num_key_value_heads=4,
-            intermediate_size=96, num_hidden_layers=5, layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
-            n_mamba_heads=8, mamba_ngroups=2, mamba_d_state=16, mamba_d_conv=4, chunk_size=CHUNK_SIZE,
-            num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
-            add_bias_linear=True, max_position_embeddings=MAX_POSITIONS,
+            **{**common, "tie_word_embeddings": True},
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=96,
+            num_hidden_layers=5,
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+            n_mamba_heads=8,
+            mamba_ngroups=2,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            chunk_size=CHUNK_SIZE,
+            num_mem_blocks=2,
+            use_shared_attention_adapter=True,
+            adapter_rank=8,
+            use_mem_rope=True,
+            add_bias_linear=True,
+            max_position_embeddings=MAX_POSITIONS,
         )
     if arch == "jamba":  # Mamba-1, MoE, attention, dense MLP; projection biases on
         return JambaForCausalLM, JambaConfig(
-            **common, **_ATTENTION, intermediate_size=96, num_hidden_layers=4, attn_layer_period=2,
-            attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0, num_experts=4, num_experts_per_tok=2,
-            mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank="auto", mamba_proj_bias=True,
+            **common,
+            **_ATTENTION,
+            intermediate_size=96,
+            num_hidden_layers=4,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=0,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank="auto",
+            mamba_proj_bias=True,
             max_position_embeddings=MAX_POSITIONS,
         )
     if arch == "qwen3_5_vl":  # a released checkpoint's layout: the text model inside a vision-language one
-        vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=4,
-                      temporal_patch_size=1, spatial_merge_size=1)
+        vision = dict(
+            depth=1,
+            hidden_size=32,
+            num_heads=2,
+            intermediate_size=64,
+            out_hidden_size=64,
+            patch_size=4,
+            temporal_patch_size=1,
+            spatial_merge_size=1,
+        )
         text = dict(**common, **_QWEN, intermediate_size=96)
-        return Qwen3_5ForConditionalGeneration, Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+        return Qwen3_5ForConditionalGeneration, Qwen3_5Config(
+            text_config=text, vision_config=vision, tie_word_embeddings=tie
+        )
     raise ValueError(f"unknown arch {arch!r}; known: {', '.join(ARCHS)}")
 
 

@@ -61,9 +61,12 @@ def _mtp_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
 def _checkpoint_name(name: str, num_layers: int) -> str:
     """A TorchMtp parameter's tensor name: Qwen3-Next's `mtp.<name>`, or Nemotron-H's names for
     the norms and the input projection (mtp.layers.0.enorm, ...)."""
-    nemotron = {"pre_fc_norm_embedding.weight": "layers.0.enorm.weight", "pre_fc_norm_hidden.weight":
-                "layers.0.hnorm.weight", "fc.weight": "layers.0.eh_proj.weight",
-                "norm.weight": f"layers.{num_layers - 1}.final_layernorm.weight"}
+    nemotron = {
+        "pre_fc_norm_embedding.weight": "layers.0.enorm.weight",
+        "pre_fc_norm_hidden.weight": "layers.0.hnorm.weight",
+        "fc.weight": "layers.0.eh_proj.weight",
+        "norm.weight": f"layers.{num_layers - 1}.final_layernorm.weight",
+    }
     return "mtp." + (nemotron.get(name, name) if num_layers > 1 else name)
 
 
@@ -95,15 +98,21 @@ def reference_drafts(model: PreTrainedModel, mtp: TorchMtp, tokens: list[int], k
     computed = torch.tensor([tokens[:-1]])
     hidden = model.model(computed).last_hidden_state  # [1, N, D], after the final norm
     embed = model.get_input_embeddings()
-    xs = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(embed(torch.tensor([tokens[1:]]))),
-                           mtp.pre_fc_norm_hidden(hidden)], dim=-1))
+    xs = mtp.fc(
+        torch.cat(
+            [mtp.pre_fc_norm_embedding(embed(torch.tensor([tokens[1:]]))), mtp.pre_fc_norm_hidden(hidden)], dim=-1
+        )
+    )
     drafts = []
     for _ in range(k):
         g = mtp.norm(_layers_forward(model, mtp.layers, xs))[:, -1]  # [1, D]
         draft = int(model.lm_head(g).argmax(-1))
         drafts.append(draft)
-        x = mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(embed(torch.tensor([[draft]]))),
-                              mtp.pre_fc_norm_hidden(g[:, None])], dim=-1))
+        x = mtp.fc(
+            torch.cat(
+                [mtp.pre_fc_norm_embedding(embed(torch.tensor([[draft]]))), mtp.pre_fc_norm_hidden(g[:, None])], dim=-1
+            )
+        )
         xs = torch.cat([xs, x], dim=1)
     return drafts
 

@@ -7,8 +7,9 @@ import numpy as np
 from tests.pallas_kernels.tolerance import assert_close_to_scale
 
 
-def assert_scan_states(got, want_states: list[list[np.ndarray]], init_states, lengths, starts, chunk: int,
-                       assert_close) -> None:
+def assert_scan_states(
+    got, want_states: list[list[np.ndarray]], init_states, lengths, starts, chunk: int, assert_close
+) -> None:
     """Each sequence's final state (its initial one if it has no tokens) and each used row's
     end state, which must be the state after its absolute end position (a chunk boundary or
     the sequence's end). `want_states[s][i]`: sequence s's state after its i-th token."""
@@ -33,7 +34,9 @@ def every_position(lengths, starts, num_requests: int) -> tuple[jnp.ndarray, jnp
 
 def states_after(want_states: list[list[np.ndarray]], seq, pos, starts, count: int) -> np.ndarray:
     """The recurrence's states at the first `count` requests."""
-    return np.stack([want_states[s][p - starts[s] - 1] for s, p in zip(np.asarray(seq[:count]), np.asarray(pos[:count]))])
+    return np.stack(
+        [want_states[s][p - starts[s] - 1] for s, p in zip(np.asarray(seq[:count]), np.asarray(pos[:count]))]
+    )
 
 
 def assert_kernel_matches_reference(got, want, num_seqs: int, *, tol: float) -> None:

@@ -42,8 +42,9 @@ reference = jax.jit(functools.partial(ragged_gated_delta, chunk_size=CHUNK, scal
 # Ragged batches: segments of length 0, 1 and at chunk edges, starts inside chunks, float32
 # and bfloat16 inputs.
 RAGGED_BATCHES = dict(
-    lengths=st.lists(st.sampled_from([0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3]), min_size=NUM_SEQS,
-                     max_size=NUM_SEQS),
+    lengths=st.lists(
+        st.sampled_from([0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3]), min_size=NUM_SEQS, max_size=NUM_SEQS
+    ),
     starts=st.lists(st.sampled_from([0, 1, CHUNK - 1, CHUNK + 2]), min_size=NUM_SEQS, max_size=NUM_SEQS),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
     seed=st.integers(0, 2**31 - 1),
@@ -63,14 +64,23 @@ def qwen_shapes(dtype, key_dim: int = 128, value_dim: int = 128) -> tuple[jax.Sh
     """Qwen3.5's shapes: 16 key heads read by 32 value heads, 256 tokens of 4 sequences."""
     tokens, seqs, key_heads, heads = 256, 4, 16, 32
     f = jax.ShapeDtypeStruct
-    return (f((tokens, key_heads, key_dim), dtype), f((tokens, key_heads, key_dim), dtype),
-            f((tokens, heads, value_dim), dtype), f((tokens, heads), jnp.float32), f((tokens, heads), jnp.float32),
-            f((seqs, heads, key_dim, value_dim), jnp.float32), f((seqs + 1,), jnp.int32), f((seqs,), jnp.int32))
+    return (
+        f((tokens, key_heads, key_dim), dtype),
+        f((tokens, key_heads, key_dim), dtype),
+        f((tokens, heads, value_dim), dtype),
+        f((tokens, heads), jnp.float32),
+        f((tokens, heads), jnp.float32),
+        f((seqs, heads, key_dim, value_dim), jnp.float32),
+        f((seqs + 1,), jnp.int32),
+        f((seqs,), jnp.int32),
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize(("kernel_module", "platform", "marker"), [(kernel_tpu, "tpu", "tpu_custom_call"),
-                                                                   (kernel_gpu, "cuda", "mosaic_gpu")])
+@pytest.mark.parametrize(
+    ("kernel_module", "platform", "marker"),
+    [(kernel_tpu, "tpu", "tpu_custom_call"), (kernel_gpu, "cuda", "mosaic_gpu")],
+)
 def test_kernel_lowers(kernel_module, platform, marker, dtype):
     """Chunk 64, d_k = d_v = 128. For the GPU kernel, lowering runs Mosaic GPU's layout and
     shared-memory checks."""

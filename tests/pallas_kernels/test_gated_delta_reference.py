@@ -111,8 +111,17 @@ def test_scan_matches_float64_recurrence(batch):
     assert_scan_states(got, want_states, inputs["init_states"], lengths, starts, chunk, assert_close)
     seq, pos, count = every_position(lengths, starts, NUM_TOKENS)
     at = states_at(
-        inputs["k"], inputs["v"], inputs["g"], inputs["beta"], inputs["init_states"], inputs["cu_seqlens"],
-        inputs["start_pos"], got, seq, pos, window=chunk,
+        inputs["k"],
+        inputs["v"],
+        inputs["g"],
+        inputs["beta"],
+        inputs["init_states"],
+        inputs["cu_seqlens"],
+        inputs["start_pos"],
+        got,
+        seq,
+        pos,
+        window=chunk,
     )
     if count:
         assert_close(at[:count], states_after(want_states, seq, pos, starts, count))

@@ -259,5 +259,7 @@ def test_gpu_kernel_lowers_for_cuda(dtype, options):
     fn = functools.partial(kernel_gpu.ragged_paged_attention, sm_scale=128**-0.5, **options)
     # The Triton custom call has no export compatibility guarantee; allow it explicitly.
     triton_call = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton_call])(*shape_structs(DTYPES[dtype]))
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton_call])(
+        *shape_structs(DTYPES[dtype])
+    )
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()

@@ -42,8 +42,9 @@ reference = jax.jit(functools.partial(ragged_selective_scan, chunk_size=CHUNK))
 @pytest.mark.parametrize("platform", sorted(KERNELS))
 @settings(max_examples=examples(6), deadline=None)
 @given(
-    lengths=st.lists(st.sampled_from([0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3]), min_size=NUM_SEQS,
-                     max_size=NUM_SEQS),
+    lengths=st.lists(
+        st.sampled_from([0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3]), min_size=NUM_SEQS, max_size=NUM_SEQS
+    ),
     starts=st.lists(st.sampled_from([0, 1, CHUNK - 1, CHUNK + 2]), min_size=NUM_SEQS, max_size=NUM_SEQS),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
     seed=st.integers(0, 2**31 - 1),
@@ -57,16 +58,24 @@ def test_kernel_matches_reference(platform, lengths, starts, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize(("kernel", "platform", "marker"), [(kernel_tpu, "tpu", "tpu_custom_call"),
-                                                            (kernel_gpu, "cuda", "mosaic_gpu")])
+@pytest.mark.parametrize(
+    ("kernel", "platform", "marker"), [(kernel_tpu, "tpu", "tpu_custom_call"), (kernel_gpu, "cuda", "mosaic_gpu")]
+)
 def test_kernel_lowers(kernel, platform, marker, dtype):
     """Jamba-Mini's shapes: 8192 channels, state 16, chunk 64. For the GPU kernel, lowering
     runs Mosaic GPU's layout and shared-memory checks."""
     tokens, seqs, channels, state = 256, 4, 8192, 16
     f = jax.ShapeDtypeStruct
-    args = (f((tokens, channels), dtype), f((tokens, channels), jnp.float32), f((channels, state), jnp.float32),
-            f((tokens, state), dtype), f((tokens, state), dtype), f((seqs, channels, state), jnp.float32),
-            f((seqs + 1,), jnp.int32), f((seqs,), jnp.int32))
+    args = (
+        f((tokens, channels), dtype),
+        f((tokens, channels), jnp.float32),
+        f((channels, state), jnp.float32),
+        f((tokens, state), dtype),
+        f((tokens, state), dtype),
+        f((seqs, channels, state), jnp.float32),
+        f((seqs + 1,), jnp.int32),
+        f((seqs,), jnp.int32),
+    )
     exported = jax.export.export(
         jax.jit(functools.partial(kernel.ragged_selective_scan, chunk_size=64)), platforms=[platform]
     )(*args)

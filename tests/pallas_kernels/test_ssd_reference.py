@@ -265,8 +265,17 @@ def test_states_at_any_position_match_the_recurrence(lengths, starts, chunk, num
     seqs.append(0)
     positions.append(-1)  # padding
     got = ssd_states_at(
-        inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["init_states"], inputs["cu_seqlens"],
-        inputs["start_pos"], scan, np.asarray(seqs, np.int32), np.asarray(positions, np.int32), window=chunk,
+        inputs["x"],
+        inputs["dt"],
+        inputs["A"],
+        inputs["B"],
+        inputs["init_states"],
+        inputs["cu_seqlens"],
+        inputs["start_pos"],
+        scan,
+        np.asarray(seqs, np.int32),
+        np.asarray(positions, np.int32),
+        window=chunk,
     )
     assert np.isfinite(np.asarray(got)).all()
     assert_close(np.asarray(got)[:-1], np.stack(want))

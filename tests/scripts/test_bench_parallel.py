@@ -20,14 +20,23 @@ def test_device_shares_shrink_with_the_tensor_parallel_size():
 
 
 # Published total parameter counts, in billions, of the real models the shape configs copy.
-PUBLISHED_PARAMS_B = {"jamba-mini-1.5-shape": 52, "nemotron-h-56b-shape": 56, "qwen3-next-80b-a3b-thinking-shape": 80,
-                      "qwen3.5-122b-a10b-shape": 122}
+PUBLISHED_PARAMS_B = {
+    "jamba-mini-1.5-shape": 52,
+    "nemotron-h-56b-shape": 56,
+    "qwen3-next-80b-a3b-thinking-shape": 80,
+    "qwen3.5-122b-a10b-shape": 122,
+}
 
 
 def test_fit_table_at_tensor_parallel_8():
     bench = load_script("bench_parallel")
-    rows = {r["model"]: r for r in (bench.fit(d, "bfloat16", context_tokens=1024, sequences=4)
-                                    for d in sorted(glob.glob("configs/models/*-shape")))}
+    rows = {
+        r["model"]: r
+        for r in (
+            bench.fit(d, "bfloat16", context_tokens=1024, sequences=4)
+            for d in sorted(glob.glob("configs/models/*-shape"))
+        )
+    }
     assert set(PUBLISHED_PARAMS_B) < set(rows)
     for model, params_b in PUBLISHED_PARAMS_B.items():
         assert abs(rows[model]["params_b"] / params_b - 1) < 0.05, model

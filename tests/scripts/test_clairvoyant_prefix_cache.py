@@ -51,18 +51,32 @@ def test_with_room_for_one_hit_point_it_keeps_the_one_needed_next():
     a, b = list(range(1, 49)), list(range(101, 149))
     order = [a, b, a, a, b]
     requests = [_request(p + [200 + i] * 10, [300 + i] * 5) for i, p in enumerate(order)]
-    hits = clairvoyant.clairvoyant(requests, page_size=16, checkpoint_blocks=4, page_blocks=1, budget_blocks=7,
-                                   on_path=False)
+    hits = clairvoyant.clairvoyant(
+        requests, page_size=16, checkpoint_blocks=4, page_blocks=1, budget_blocks=7, on_path=False
+    )
     assert hits == [0, 0, 48, 48, 0]
 
 
 def test_command_line_reads_both_formats(tmp_path: Path, capsys):
     trace = tmp_path / "mooncake.jsonl"
-    rows = [{"timestamp": 0, "input_length": 70, "output_length": 3, "hash_ids": [1, 2, 3]},
-            {"timestamp": 5, "input_length": 90, "output_length": 2, "hash_ids": [1, 2, 4]}]
+    rows = [
+        {"timestamp": 0, "input_length": 70, "output_length": 3, "hash_ids": [1, 2, 3]},
+        {"timestamp": 5, "input_length": 90, "output_length": 2, "hash_ids": [1, 2, 4]},
+    ]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = clairvoyant.main([str(trace), "--format", "mooncake", "--block-tokens", "32", "--model-config",
-                               str(DEFAULT_MODEL), "--budget-bytes", "1e9"])
+    result = clairvoyant.main(
+        [
+            str(trace),
+            "--format",
+            "mooncake",
+            "--block-tokens",
+            "32",
+            "--model-config",
+            str(DEFAULT_MODEL),
+            "--budget-bytes",
+            "1e9",
+        ]
+    )
     # The second request shares blocks 1 and 2 (64 tokens) with the first.
     assert result["hit_tokens"] == 64 and result["input_tokens"] == 160
     assert "clairvoyant token hit rate: 0.4000" in capsys.readouterr().out
@@ -75,6 +89,7 @@ def test_lru_eviction_keeps_the_one_used_last():
     a, b = list(range(1, 49)), list(range(101, 149))
     order = [a, b, a, a, b]
     requests = [_request(p + [200 + i] * 10, [300 + i] * 5) for i, p in enumerate(order)]
-    hits = clairvoyant.clairvoyant(requests, page_size=16, checkpoint_blocks=4, page_blocks=1, budget_blocks=7,
-                                   on_path=False, eviction="lru")
+    hits = clairvoyant.clairvoyant(
+        requests, page_size=16, checkpoint_blocks=4, page_blocks=1, budget_blocks=7, on_path=False, eviction="lru"
+    )
     assert hits == [0, 0, 0, 48, 0]

@@ -23,8 +23,15 @@ KERNEL_ROWS = [
     "gated delta decode-ish bf16",
 ]
 ON_GPU = jax.default_backend() == "gpu"
-ENGINE_ROWS = ["engine decode b4", "engine prefill 4x8", "engine load / first runs", "engine first tokens auto vs ref",
-               "engine tensor parallel", "engine verify b4", "engine verify b4 draft_model"]
+ENGINE_ROWS = [
+    "engine decode b4",
+    "engine prefill 4x8",
+    "engine load / first runs",
+    "engine first tokens auto vs ref",
+    "engine tensor parallel",
+    "engine verify b4",
+    "engine verify b4 draft_model",
+]
 STARTUP_ROW = "startup default model"
 
 

@@ -29,19 +29,39 @@ def _trace(kind: str, seed: int) -> list:
     src, rng = make_trace.TokenSource(seed, 4096), random.Random(seed)
     if kind == "agentic":
         requests = make_trace.agentic(
-            src, num_sessions=rng.randint(16, 40), turns=(3, rng.randint(4, 10)),
-            tool_spec_tokens=rng.randint(500, 3000), task_tokens=(20, 100), tool_result_tokens=(50, 400),
-            action_tokens=(10, 60), max_active=rng.randint(6, 24))
+            src,
+            num_sessions=rng.randint(16, 40),
+            turns=(3, rng.randint(4, 10)),
+            tool_spec_tokens=rng.randint(500, 3000),
+            task_tokens=(20, 100),
+            tool_result_tokens=(50, 400),
+            action_tokens=(10, 60),
+            max_active=rng.randint(6, 24),
+        )
     elif kind == "conversations":
         requests = make_trace.conversations(
-            src, num_conversations=rng.randint(6, 16), num_turns=rng.randint(5, 6), system_tokens=rng.randint(0, 300),
-            first_message_tokens=(20, 200), message_tokens=(10, 100), output_tokens=(5, 60),
-            order=rng.choice(["round-robin", "random"]), max_active=rng.randint(1, 6))
+            src,
+            num_conversations=rng.randint(6, 16),
+            num_turns=rng.randint(5, 6),
+            system_tokens=rng.randint(0, 300),
+            first_message_tokens=(20, 200),
+            message_tokens=(10, 100),
+            output_tokens=(5, 60),
+            order=rng.choice(["round-robin", "random"]),
+            max_active=rng.randint(1, 6),
+        )
     else:
         requests = make_trace.few_shot(
-            src, instruction_tokens=rng.randint(0, 300), num_families=rng.randint(1, 3),
-            tasks_per_family=rng.randint(1, 3), family_tokens=rng.randint(16, 200), task_tokens=rng.randint(16, 200),
-            num_requests=rng.randint(30, 80), message_tokens=(5, 40), output_tokens=(5, 40))
+            src,
+            instruction_tokens=rng.randint(0, 300),
+            num_families=rng.randint(1, 3),
+            tasks_per_family=rng.randint(1, 3),
+            family_tokens=rng.randint(16, 200),
+            task_tokens=rng.randint(16, 200),
+            num_requests=rng.randint(30, 80),
+            message_tokens=(5, 40),
+            output_tokens=(5, 40),
+        )
     return [replay.TraceRequest(r.session_id, r.turn_id, r.input_tokens, r.output_tokens) for r in requests]
 
 
@@ -56,8 +76,12 @@ def hit_rate(requests: list, model: str, budget_checkpoints: float) -> float:
 
 
 @settings(max_examples=examples(60), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(kind=st.sampled_from(["agentic", "conversations", "few-shot"]), seed=st.integers(0, 10**6),
-       model=st.sampled_from(sorted(MODELS)), budget=st.sampled_from([4, 6, 8, 12, 16, 24, 32]))
+@given(
+    kind=st.sampled_from(["agentic", "conversations", "few-shot"]),
+    seed=st.integers(0, 10**6),
+    model=st.sampled_from(sorted(MODELS)),
+    budget=st.sampled_from([4, 6, 8, 12, 16, 24, 32]),
+)
 def test_twice_the_memory_never_loses_hits(kind, seed, model, budget):
     requests = _trace(kind, seed)
     assert hit_rate(requests, model, 2 * budget) >= hit_rate(requests, model, budget) - 0.01

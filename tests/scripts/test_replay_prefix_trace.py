@@ -20,9 +20,18 @@ make_trace = load_script("make_prefix_trace")
 def llama_dir(tmp_path: Path) -> Path:
     """A plain transformer of the default model's size: 6 attention layers, 2 KV heads of 48."""
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 192,
-        "intermediate_size": 256, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 4096,
+        "hidden_size": 192,
+        "intermediate_size": 256,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
     }
     path = tmp_path / "llama"
     path.mkdir()
@@ -33,8 +42,20 @@ def llama_dir(tmp_path: Path) -> Path:
 def _write(path: Path, requests: list[tuple[list[int], list[int]]]) -> Path:
     with path.open("w") as f:
         for i, (prompt, output) in enumerate(requests):
-            f.write(json.dumps({"session_id": i, "turn_id": 0, "ts": float(i), "num_input_tokens": len(prompt),
-                                "num_output_tokens": len(output), "input_tokens": prompt, "output_tokens": output}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "session_id": i,
+                        "turn_id": 0,
+                        "ts": float(i),
+                        "num_input_tokens": len(prompt),
+                        "num_output_tokens": len(output),
+                        "input_tokens": prompt,
+                        "output_tokens": output,
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -48,12 +69,15 @@ def shared_prefix_trace(tmp_path: Path) -> Path:
     prefix = list(range(1, 41))
     a, b, c, d = ([k] * 10 for k in (101, 102, 103, 104))
     answer = list(range(200, 220))  # 20 tokens
-    return _write(tmp_path / "trace.jsonl", [
-        (prefix + a, answer),
-        (prefix + b, [7] * 4),
-        (prefix + c, [7] * 4),
-        (prefix + a + answer + d, [7] * 4),
-    ])
+    return _write(
+        tmp_path / "trace.jsonl",
+        [
+            (prefix + a, answer),
+            (prefix + b, [7] * 4),
+            (prefix + c, [7] * 4),
+            (prefix + a + answer + d, [7] * 4),
+        ],
+    )
 
 
 @pytest.mark.parametrize("retention, hits", [("dense", [0, 32, 32, 64]), ("sparse", [0, 0, 32, 64])])
@@ -82,12 +106,29 @@ def test_json_report_has_the_fields(shared_prefix_trace, tmp_path, capsys):
     out = tmp_path / "out.json"
     _run(shared_prefix_trace, HYBRID, "--budget-bytes", "1e9", "--retention", "every=64", "--json", str(out))
     report = json.loads(out.read_text())
-    assert {"requests", "input_tokens", "hit_tokens", "token_hit_rate", "lost_tokens", "budget", "kv", "ssm",
-            "per_request", "settings"} <= set(report)
+    assert {
+        "requests",
+        "input_tokens",
+        "hit_tokens",
+        "token_hit_rate",
+        "lost_tokens",
+        "budget",
+        "kv",
+        "ssm",
+        "per_request",
+        "settings",
+    } <= set(report)
     assert {"budget_bytes", "block_bytes", "budget_blocks", "live_blocks", "live_slots"} <= set(report["budget"])
     assert {"page_bytes", "pages_held", "bytes_held", "evictions"} <= set(report["kv"])
-    assert {"checkpoint_bytes", "checkpoint_blocks", "checkpoints_held", "bytes_held", "written", "skipped",
-            "evictions"} <= set(report["ssm"])
+    assert {
+        "checkpoint_bytes",
+        "checkpoint_blocks",
+        "checkpoints_held",
+        "bytes_held",
+        "written",
+        "skipped",
+        "evictions",
+    } <= set(report["ssm"])
     # 2 layers * K and V * 16 tokens * 2 KV heads * 48 dims * 4 bytes; 4 layers * (6 heads * 64 * 64 * 4 + 512 * 4 * 4)
     page = 2 * 2 * 16 * 2 * 48 * 4
     assert report["kv"]["page_bytes"] == report["budget"]["block_bytes"] == page
@@ -133,8 +174,24 @@ def test_shared_system_prompt_hits_like_a_transformer(tmp_path, llama_dir):
 
 def test_few_shot_prompts_branch_inside_earlier_prompts(tmp_path):
     trace = tmp_path / "shots.jsonl"
-    make_trace.main(["few-shot", str(trace), "--instruction-tokens", "32", "--families", "2", "--tasks-per-family", "2",
-                     "--family-tokens", "16", "--task-tokens", "16", "--requests", "30"])
+    make_trace.main(
+        [
+            "few-shot",
+            str(trace),
+            "--instruction-tokens",
+            "32",
+            "--families",
+            "2",
+            "--tasks-per-family",
+            "2",
+            "--family-tokens",
+            "16",
+            "--task-tokens",
+            "16",
+            "--requests",
+            "30",
+        ]
+    )
     requests = replay.load_trace(trace)
     assert len(requests) == 30
     instruction = requests[0].input_tokens[:32]
@@ -149,8 +206,23 @@ def test_few_shot_prompts_branch_inside_earlier_prompts(tmp_path):
 
 def test_conversations_can_keep_a_few_open_at_once(tmp_path):
     trace = tmp_path / "conv.jsonl"
-    make_trace.main(["conversations", str(trace), "--conversations", "6", "--turns", "3", "--system-tokens", "0",
-                     "--first-message-tokens", "20", "20", "--max-active", "3"])
+    make_trace.main(
+        [
+            "conversations",
+            str(trace),
+            "--conversations",
+            "6",
+            "--turns",
+            "3",
+            "--system-tokens",
+            "0",
+            "--first-message-tokens",
+            "20",
+            "20",
+            "--max-active",
+            "3",
+        ]
+    )
     sessions = [r.session_id for r in replay.load_trace(trace)]
     assert sessions[:3] == [0, 1, 2] and len(sessions) == 18
     for k in range(1, 19):  # conversations started and not yet through their 3 turns
@@ -160,8 +232,22 @@ def test_conversations_can_keep_a_few_open_at_once(tmp_path):
 
 def test_conversation_turns_extend_the_previous_turn(tmp_path):
     trace = tmp_path / "conv.jsonl"
-    make_trace.main(["conversations", str(trace), "--conversations", "3", "--turns", "4", "--system-tokens", "50",
-                     "--order", "random", "--seed", "7"])
+    make_trace.main(
+        [
+            "conversations",
+            str(trace),
+            "--conversations",
+            "3",
+            "--turns",
+            "4",
+            "--system-tokens",
+            "50",
+            "--order",
+            "random",
+            "--seed",
+            "7",
+        ]
+    )
     requests = replay.load_trace(trace)
     assert len(requests) == 12
     system = requests[0].input_tokens[:50]
@@ -182,16 +268,27 @@ def test_gated_delta_checkpoints_are_sized_from_their_declared_state(shared_pref
     """A Qwen3.5 config: 3 Gated DeltaNet layers (conv window over q | k | v and a float32
     delta-rule state) and 1 gated attention layer; bfloat16 KV and conv, float32 states."""
     config = {
-        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 256, "hidden_size": 64,
-        "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-        "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
     }
     path = tmp_path / "qwen3_5"
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
-    report = replay.main([str(shared_prefix_trace), "--model-config", str(path), "--budget-bytes", "1e9",
-                          "--kv-dtype", "bfloat16"])
+    report = replay.main(
+        [str(shared_prefix_trace), "--model-config", str(path), "--budget-bytes", "1e9", "--kv-dtype", "bfloat16"]
+    )
     conv = (2 * 2 * 16 + 4 * 8) * 4  # channels x kernel
     assert report["ssm"]["checkpoint_bytes"] == 3 * (conv * 2 + 4 * 16 * 8 * 4)
     assert report["kv"]["page_bytes"] == 2 * 16 * 2 * 16 * 2
@@ -201,7 +298,9 @@ def test_gated_delta_checkpoints_are_sized_from_their_declared_state(shared_pref
 def _mooncake(path: Path, rows: list[tuple[int, int, list[int]]]) -> Path:
     with path.open("w") as f:
         for i, (inputs, outputs, ids) in enumerate(rows):
-            f.write(json.dumps({"timestamp": i, "input_length": inputs, "output_length": outputs, "hash_ids": ids}) + "\n")
+            f.write(
+                json.dumps({"timestamp": i, "input_length": inputs, "output_length": outputs, "hash_ids": ids}) + "\n"
+            )
     return path
 
 
@@ -249,8 +348,9 @@ def test_mooncake_hits_end_on_block_boundaries(tmp_path):
         full = full + [turn * 10 + 1, turn * 10 + 2]
         rows.append((64 * len(full) + 44, 5, full + [turn * 10 + 3]))
     trace = _mooncake(tmp_path / "m.jsonl", rows)
-    result = _run(trace, HYBRID, "--format", "mooncake", "--block-tokens", "64", "--budget-bytes", "1e9",
-                  "--retention", "sparse")
+    result = _run(
+        trace, HYBRID, "--format", "mooncake", "--block-tokens", "64", "--budget-bytes", "1e9", "--retention", "sparse"
+    )
     hits = [r["hit_tokens"] for r in result["per_request"]]
     shared = [0] + [64 * (len(r[2]) - 1) for r in rows[:-1]]  # the previous turn's full blocks
     assert hits[:3] == [0, 0, shared[1]]  # a turn behind: the junction at the first parting
@@ -270,8 +370,27 @@ def test_the_engines_pool_arrangement(shared_prefix_trace):
 def test_agent_sessions_in_mooncakes_format_name_equal_blocks_alike(tmp_path):
     # The same trace in both formats: two requests' hash ids agree for exactly as many
     # leading blocks as their token ids agree in whole blocks (counted here from the tokens).
-    args = ["agentic", "--sessions", "4", "--max-active", "2", "--turns", "2", "3", "--tool-spec-tokens", "40",
-            "--tool-result-tokens", "10", "30", "--action-tokens", "5", "10", "--task-tokens", "5", "10"]
+    args = [
+        "agentic",
+        "--sessions",
+        "4",
+        "--max-active",
+        "2",
+        "--turns",
+        "2",
+        "3",
+        "--tool-spec-tokens",
+        "40",
+        "--tool-result-tokens",
+        "10",
+        "30",
+        "--action-tokens",
+        "5",
+        "10",
+        "--task-tokens",
+        "5",
+        "10",
+    ]
     make_trace.main([*args, str(tmp_path / "t.jsonl")])
     make_trace.main([*args, str(tmp_path / "m.jsonl"), "--mooncake-blocks", "16"])
     tokens = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
@@ -291,8 +410,10 @@ def test_agent_sessions_in_mooncakes_format_name_equal_blocks_alike(tmp_path):
         assert len(bi["hash_ids"]) == -(-len(ti["input_tokens"]) // 16)
         for tj, bj in zip(tokens[:i], blocks[:i]):
             n = equal_blocks(ti["input_tokens"], tj["input_tokens"])
-            ids = next((k for k, (x, y) in enumerate(zip(bi["hash_ids"], bj["hash_ids"])) if x != y),
-                       min(len(bi["hash_ids"]), len(bj["hash_ids"])))
+            ids = next(
+                (k for k, (x, y) in enumerate(zip(bi["hash_ids"], bj["hash_ids"])) if x != y),
+                min(len(bi["hash_ids"]), len(bj["hash_ids"])),
+            )
             assert ids == n
             shared += n > 0
     assert shared > 0  # the tool specification's blocks are shared
