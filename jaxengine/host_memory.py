@@ -1,9 +1,8 @@
 """Host malloc settings for running on the CPU backend, and giving freed memory back.
 
-XLA:CPU allocates each step's scratch buffers (170 MB for a 512-token step of a 35M-parameter
-model) when the step starts and frees them when it ends. glibc serves blocks that large with a
-fresh `mmap`, so every step touches new pages and takes one page fault per 4 KiB (about 42,000
-per such step, a fifth of its time). Keeping freed memory in one heap instead — one arena, no
+XLA:CPU allocates each step's scratch buffers when the step starts and frees them when it
+ends. glibc serves blocks that large with a fresh `mmap`, so every step touches new pages and
+takes one page fault per 4 KiB. Keeping freed memory in one heap instead — one arena, no
 `mmap` for large blocks, no returning freed memory to the system — lets each step reuse the
 previous one's pages.
 
@@ -11,9 +10,8 @@ The settings must be made before JAX starts its CPU backend: XLA's threads take 
 arena when they first allocate. `jaxengine` applies them when it is imported with
 `JAXENGINE_MALLOC_TUNING=1` in the environment, only on Linux with glibc and only when JAX
 will run on the CPU. They are off by default because they cost elsewhere: the process keeps
-memory it has freed, and with one arena XLA's parallel compilation slows down by about a
-quarter (a cold start of the default config took 58-71 s instead of 52-53 s). Long CPU runs
-with large prefill steps gain; short ones lose.
+memory it has freed, and with one arena XLA's parallel compilation slows down. Long CPU runs
+with large prefill steps gain; short ones lose (`BENCHMARKS.md`).
 """
 
 import ctypes
@@ -53,8 +51,8 @@ def tune_malloc_for_cpu() -> bool:
 
 def give_back_freed_memory() -> None:
     """Returns the heap memory the process has freed to the system (glibc's `malloc_trim`),
-    after an engine is shut down: glibc keeps what XLA's threads freed in their arenas, which
-    otherwise grew a process that creates and frees engines by about 30% over its first
-    engine's resident memory before it levelled off. Nothing elsewhere."""
+    after an engine is shut down: glibc keeps what XLA's threads freed in their arenas, so a
+    process that creates and frees engines would otherwise grow well past its first engine's
+    resident memory. Nothing elsewhere."""
     if sys.platform == "linux" and platform.libc_ver()[0] == "glibc":
         ctypes.CDLL(None).malloc_trim(0)

@@ -8,8 +8,7 @@ A step that verifies drafts, decode or mixed, samples k + 1 rows per sequence an
 states after its draft positions; one that verifies none runs in a plain engine's shape.
 With a drafter (an MTP module or a draft model), each shape that verifies no drafts comes
 twice: with the drafter, for steps in which some sequence speculates, and without it, for the
-others (a drafter skipped at run time still costs its arguments and empty loops: 5-12% of a
-decode step on CPU, `BENCHMARKS.md`).
+others (a drafter skipped at run time would still cost its arguments and empty loops).
 The checkpoints a step can store are part of its shape: a mixed step always has room for all
 it may plan; a decode or verify step stores a few per sequence at most, and most store none,
 so their shapes come in save buckets (0, 1, 4, ...) and a step pays only for the saves it has.
