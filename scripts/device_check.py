@@ -3,82 +3,19 @@
 Usage (from the repository root):
   python scripts/device_check.py [--quick] [--parts kernels,engine,verify,startup] [--json device_check.json] [--budget-s 420]
 
-On one H200 (2026-12-04) the kernels took about 2 minutes and each engine of part 3 about
-3 minutes, mostly compiling its step shapes; the whole check does not fit in one
-10-minute run, so run the parts in separate runs (`--parts kernels,engine`, then
-`--parts verify,startup`).
+Parts: a roofline probe (HBM bandwidth, bf16 matmul rate) that sets each row's floor; the
+GPU Pallas kernels against their pure-jnp references on real shapes (error and time); the
+engine on a random 1B-parameter Bamba with kernels="auto" and "reference" (decode and
+prefill tokens/s, load and compile times, first greedy tokens compared); verify steps with
+ngram and a draft model; and the default model's start-up. What each row measures, its
+floor and its tolerance: `docs/device-check.md`.
 
-What it measures:
-  1. Roofline: HBM bandwidth (best of several `a * 2` passes over a 2 GiB float32 array,
-     read + write counted) and the bf16 matmul rate (best of several 8192^3 matmuls). A
-     floor is max(bytes / bandwidth, FLOPs / matmul rate), and "% of floor" is
-     100 * floor / measured time (100% = at the floor).
-  2. Kernels: the GPU Pallas kernels against the pure-jnp references, both jitted on the
-     device, on real shapes. Ragged paged attention (32 query heads, 8 KV heads, head dim
-     128, pages of 16, bf16): a decode batch (64 sequences, contexts 2k-8k) and a mixed
-     batch (prefill chunks of 512, 256, 128 and 64 tokens plus 60 decodes, contexts up to
-     4k). The ragged SSD scan (head dim 64, state 128, chunk 256): a prefill batch of
-     4 x 2048 tokens (two continuing at positions 256 and 1000) with bf16 inputs and 128
-     heads, the same with float32 inputs and 64 heads, and a decode-ish batch (64
-     sequences of 1-8 tokens at positions up to 8000; 128 heads in 8 groups). The ragged
-     Mamba-1 selective scan (Jamba-Mini's 8192 channels, state 16, chunk 64): the same
-     prefill and decode-ish batches with bf16 inputs. The ragged gated delta rule (Qwen3.5's
-     16 key heads read by 32 value heads, d_k = d_v = 128, chunk 64): the same prefill and
-     decode-ish batches with bf16 q, k and v.
-     Correctness: max abs error against the reference run at float32 matmul precision
-     (XLA may use TF32 for float32 dots by default), within the tolerances below.
-     Timing: median of 20 runs after a warm-up, each waited for with block_until_ready;
-     the reference at default precision, as the engine runs it. Floors: the bytes each
-     kernel must move once (q, out and every context's keys and values; the SSD inputs,
-     states in and out, y) and the FLOPs of the causal products (for the gated delta rule,
-     those of its chunked form, whatever form the kernel computes).
-  3. Engine: a random 1.05B-parameter hybrid Bamba (hidden 2048, 16 layers of which 3
-     attention with 16 heads of 128 over 4 KV heads, Mamba heads 64 x 64, state 128,
-     chunk 256, vocab 32k) built from `BambaConfig`, saved to a temporary directory and
-     served in bf16 with kernels="auto" and with kernels="reference". Decode: 64 prompts
-     of 32 tokens, 128 greedy tokens each; tokens/s = 64 / mean time per output token;
-     floor = moving every weight but the input embedding plus each sequence's float32 SSM
-     states (read and written) and its KV once per step. Prefill: 8 prompts of 2048
-     tokens, one output token each; tokens/s = prompt tokens / generate wall time; floor
-     = 2 FLOPs per layer weight per token plus causal attention. Also load and first-run
-     (compile) times, and whether both modes pick the same first greedy token. Medians
-     of 3 timed runs of each kind; each mode's untimed first runs have the timed runs'
-     shapes, so the timed runs compile nothing (checked), and every run gets fresh
-     prompts (no prefix-cache hits). Decode steps use the kernels for attention only
-     (the one-token SSD update is always the reference); prefill uses both kernels.
-     With more than one device, the same decode and prefill runs on as many devices as
-     the model's heads split over (tensor parallelism): the share of first greedy tokens
-     that differ from one device's (at most 25%, as below) and both decode rates;
-     "skipped (one device)" otherwise.
-  4. Verify steps (`verify`; speculative decoding): the same model with kernels="auto" and
-     `speculative_config` ngram k = 3 drafting at every step, decoding the 64 x 32-token
-     batch on prompts that repeat an 8-token pattern, with drafts (verify steps) and
-     without (plain decode steps), alternating; output tokens/s of each, acceptance, and
-     the share of requests whose greedy tokens differ between the two (at most 25%, as
-     for the first tokens: bf16 rounding of a k + 1-token step may flip near-ties). The
-     same with `draft_model`: the model drafting for itself inside its own step (its
-     greedy drafts should all be accepted but where bf16 rounding flips a near-tie).
-  5. Start-up (`startup`): the embedded default model as a user starts it (default engine
-     arguments, but no stored steps): seconds until `LLM(...)` returns, until 16 greedy
-     tokens of one prompt are out, and until the background thread has compiled every other
-     step shape; the slowest shapes' lowering and compile times. Mosaic GPU kernels compile
-     when first run, once per kernel shape and process, and are not in those times.
-
-Tolerances: attention (bf16) 2^-6 * max|v|, v uniform in [-1, 1] (each side rounds the
-probabilities and the output to bf16; see tests/pallas_kernels); queries are scaled so the
-softmax is peaked and a wrong page or mask moves outputs by O(1). SSD: 5e-4 of each
-output's largest magnitude (y, final states, states of used chunk rows; the kernel tests
-allow 1e-4 at small shapes, here a value sums up to 256 x 128 products), and the row
-layout exactly; the selective scan and the gated delta rule the same. Engine: at most 25% of requests may differ in their first greedy token
-(bf16 rounding can only flip near-ties, which the random lm_head makes rare by spreading
-the logits to a std of ~4.5; a broken kernel changes almost every token).
-
-A global deadline (--budget-s, from the start of main) skips the checks that would not
-fit in it, each with a "skipped (time)" row. --quick runs tiny shapes and a tiny model;
-without a GPU the kernels run in interpret mode (the engine with
-kernels="pallas-interpret-gpu"), which exercises this script's logic on CPU (its timings
-mean nothing). The report goes to the JSON file (device, jax version, date, every row with
-its details) and a short table is printed last. Exit status 1 if a check failed or errored.
+A global deadline (--budget-s, from the start of main) skips the checks that would not fit
+in it, each with a "skipped (time)" row. --quick runs tiny shapes and a tiny model; without a
+GPU the kernels run in interpret mode (the engine with kernels="pallas-interpret-gpu"), which
+exercises this script's logic on CPU. The report goes to the JSON file (device, jax version,
+date, every row with its details) and a short table is printed last. Exit status 1 if a check
+failed or errored.
 """
 
 from __future__ import annotations
