@@ -50,8 +50,9 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _convert(args: argparse.Namespace) -> None:
-    from jaxengine.models.config import load_model_config
-    from jaxengine.models.loader import load_model, save_params
+    from jaxengine.models.arch import load_model_config
+    from jaxengine.models.loader import load_model
+    from jaxengine.models.param_store import save_params
 
     src, out = Path(args.hf_dir), Path(args.out_dir)
     start = time.perf_counter()

@@ -43,7 +43,7 @@ def child(model_dir: str, tp: int, dtype: str) -> dict:
 
     from jaxengine.engine.mesh import Parallelism, axis_rules
     from jaxengine.engine.runner import place_params
-    from jaxengine.models.config import load_model_config
+    from jaxengine.models.arch import load_model_config
     from jaxengine.models.loader import load_model
 
     parallelism = Parallelism(tp)

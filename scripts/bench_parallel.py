@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxengine.engine.mesh import MODEL, Parallelism, axis_rules, kv_page_sharding, param_shardings, state_sharding  # noqa: E402
-from jaxengine.models.config import load_model_config  # noqa: E402
+from jaxengine.models.arch import load_model_config  # noqa: E402
 from jaxengine.models.loader import abstract_model  # noqa: E402
 from jaxengine.models.mixers import recurrent_states  # noqa: E402
 

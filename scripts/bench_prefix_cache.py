@@ -37,7 +37,7 @@ import numpy as np
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from jaxengine import LLM, SamplingParams
-from jaxengine.models.config import load_model_config
+from jaxengine.models.arch import load_model_config
 from jaxengine.run_config import DEFAULT_MODEL
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -981,7 +981,7 @@ def tensor_parallel_row(model_dir: Path, kernels: str, spec: EngineSpec, one: En
     """With several devices: the engine over as many as the model's heads split evenly over,
     its first greedy tokens against one device's (`one`) and both decode rates."""
     from jaxengine.engine.mesh import Parallelism  # after JAX's GPU start-up (see build_random_bamba)
-    from jaxengine.models.config import load_model_config
+    from jaxengine.models.arch import load_model_config
 
     cfg = load_model_config(model_dir)
     sizes = [tp for tp in range(jax.device_count(), 1, -1) if _splits(Parallelism(tp), cfg)]

@@ -54,7 +54,8 @@ from jaxengine.cache.prefix_cache import PrefixCache
 from jaxengine.engine.sampling_params import SamplingParams
 from jaxengine.engine.scheduler import Scheduler
 from jaxengine.engine.sequence import Sequence, Status
-from jaxengine.models.config import ModelConfig, load_model_config
+from jaxengine.models.arch import load_model_config
+from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import abstract_model
 from jaxengine.models.mixers import recurrent_states
 

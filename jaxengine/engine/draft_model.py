@@ -6,7 +6,8 @@ from pathlib import Path
 from flax import nnx
 
 from jaxengine.engine.mesh import Parallelism
-from jaxengine.models.config import ModelConfig, load_model_config
+from jaxengine.models.arch import load_model_config
+from jaxengine.models.config import ModelConfig
 from jaxengine.models.loader import load_model
 
 WHERE = "engine argument speculative_config.model"

@@ -36,7 +36,8 @@ from jaxengine.engine.step_executables import ShapeKey, StoredStepFailed
 from jaxengine.engine.step_store import StepStore
 from jaxengine.engine.tokenizer import load_tokenizer
 from jaxengine.host_memory import give_back_freed_memory
-from jaxengine.models.config import ModelConfig, checkpoint_dtype, load_model_config
+from jaxengine.models.arch import checkpoint_dtype, load_model_config
+from jaxengine.models.config import ModelConfig
 from jaxengine.models.kernels import kernel_ops
 from jaxengine.models.loader import load_model
 from jaxengine.models.mixer_state import state_bytes

@@ -13,8 +13,9 @@ from flax import nnx
 from jaxengine import LLM, SamplingParams
 from jaxengine.engine import llm_engine
 from jaxengine.engine.mesh import Parallelism
-from jaxengine.models.config import load_model_config
-from jaxengine.models.loader import load_model, save_params
+from jaxengine.models.arch import load_model_config
+from jaxengine.models.loader import load_model
+from jaxengine.models.param_store import save_params
 from tests.engine.test_pool_donation import assert_no_step_copies_a_pool
 from tests.models.tiny_models import ARCHS, hf_greedy, random_prompt, save_tiny_model
 

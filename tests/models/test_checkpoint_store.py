@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jaxengine.engine.pools import store_layout
+from jaxengine.models.arch import load_model_config
 from jaxengine.models.checkpoint_store import checkpoint_layout
-from jaxengine.models.config import load_model_config
 from jaxengine.models.mixer_state import StateArray
 from tests.models.tiny_models import save_tiny_model
 

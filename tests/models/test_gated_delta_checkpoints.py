@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxengine.models.config import load_model_config
+from jaxengine.models.arch import load_model_config
 from jaxengine.models.loader import load_model
 from tests.models.test_loader import assert_same_params, edit_config, edit_tensors, engine_logits
 from tests.models.tiny_models import FLOAT32_ATOL, hf_logits, max_abs_diff, random_prompt, save_tiny_model

@@ -25,8 +25,9 @@ from transformers import PreTrainedModel
 
 from jaxengine import LLM
 from jaxengine.cli import main
-from jaxengine.models.config import load_model_config
-from jaxengine.models.loader import CONVERTED_PARAMS_DIR, load_model, save_params
+from jaxengine.models.arch import load_model_config
+from jaxengine.models.loader import load_model
+from jaxengine.models.param_store import CONVERTED_PARAMS_DIR, save_params
 from tests.models.tiny_models import (
     ENGINE_ARGS,
     FLOAT32_ATOL,
