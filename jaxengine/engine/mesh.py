@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxengine.models import axes
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.mixer_state import StateArray
+from jaxengine.models.mixers import MIXERS
 
 DATA, MODEL = "data", "model"
 
@@ -74,16 +75,10 @@ class Parallelism:
 
 
 def _split_counts(cfg: ModelConfig, expert_parallel: bool) -> list[tuple[str, int]]:
-    """The model's counts that tensor parallelism splits, by their config.json names."""
-    counts = []
-    if cfg.attention is not None:
-        counts.append(("num_attention_heads", cfg.attention.num_heads))
-    if cfg.mamba is not None:
-        counts.append(("mamba_n_heads", cfg.mamba.num_heads))
-    if cfg.gated_delta is not None:
-        counts.append(("linear_num_value_heads", cfg.gated_delta.num_value_heads))
-    if cfg.mamba1 is not None:
-        counts.append(("mamba_expand * hidden_size", cfg.mamba1.intermediate_size))
+    """The model's counts that tensor parallelism splits, by their config.json names: those
+    of each mixer type the config holds settings for (`MixerType.split`; Zamba2's shared
+    block holds attention's without an attention layer), then the experts'."""
+    counts = [kind.split(settings) for kind in MIXERS.values() if (settings := kind.config(cfg)) is not None]
     if cfg.moe is not None and expert_parallel:
         counts.append(("num_experts", cfg.moe.num_experts))
     return counts

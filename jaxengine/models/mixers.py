@@ -1,10 +1,11 @@
 """The mixer types a decoder layer can hold, and what is derived from their declarations.
 
 A mixer type is its module (built as `module(hidden_size, config, eps, dtype=, rngs=)`), the
-`ModelConfig` field holding its settings, and, for recurrent mixers, the function declaring
-its per-sequence state (`mixer_state.py`). Attention keeps no per-sequence state: its KV
-lives in the cache pages. Adding a mixer type is its module file, a line here, the config
-mapping of the architectures that use it (`config.py`) and its kernels (`kernels.py`).
+`ModelConfig` field holding its settings, what tensor parallelism splits it by, and, for
+recurrent mixers, the function declaring its per-sequence state (`mixer_state.py`).
+Attention keeps no per-sequence state: its KV lives in the cache pages. Adding a mixer type
+is its module file, a line here, the config mapping of the families that use it (`arch/`)
+and its kernels (`kernels.py`).
 """
 
 import dataclasses
@@ -24,17 +25,31 @@ from jaxengine.models.short_conv import ShortConvMixer, short_conv_state
 
 @dataclasses.dataclass(frozen=True)
 class MixerType:
+    """`split(settings)`: the count tensor parallelism splits the mixer's heads or channels by
+    (over the "model" mesh axis, `axes.HEADS` or `axes.RECURRENT`), as (its config.json name,
+    the count); the engine's tensor parallel size must divide it."""
+
     module: type[nnx.Module]
     config: Callable[[ModelConfig], Any]  # the mixer's settings in a ModelConfig
     state: Callable[[Any], tuple[StateArray, ...]] | None  # per-sequence state; None: none (attention)
+    split: Callable[[Any], tuple[str, int]]
 
 
 MIXERS: dict[str, MixerType] = {
-    "attention": MixerType(Attention, lambda cfg: cfg.attention, None),
-    "mamba": MixerType(Mamba2Mixer, lambda cfg: cfg.mamba, mamba2_state),
-    "mamba1": MixerType(Mamba1Mixer, lambda cfg: cfg.mamba1, mamba1_state),
-    "gated_delta": MixerType(GatedDeltaMixer, lambda cfg: cfg.gated_delta, gated_delta_state),
-    "short_conv": MixerType(ShortConvMixer, lambda cfg: cfg.short_conv, short_conv_state),
+    "attention": MixerType(Attention, lambda cfg: cfg.attention, None, lambda a: ("num_attention_heads", a.num_heads)),
+    "mamba": MixerType(Mamba2Mixer, lambda cfg: cfg.mamba, mamba2_state, lambda m: ("mamba_n_heads", m.num_heads)),
+    "mamba1": MixerType(
+        Mamba1Mixer, lambda cfg: cfg.mamba1, mamba1_state, lambda m: ("mamba_expand * hidden_size", m.intermediate_size)
+    ),
+    "gated_delta": MixerType(
+        GatedDeltaMixer,
+        lambda cfg: cfg.gated_delta,
+        gated_delta_state,
+        lambda g: ("linear_num_value_heads", g.num_value_heads),
+    ),
+    "short_conv": MixerType(
+        ShortConvMixer, lambda cfg: cfg.short_conv, short_conv_state, lambda c: ("hidden_size", c.channels)
+    ),
 }
 
 
