@@ -178,6 +178,7 @@ def _edited(src, dst, **fields):
     return dst
 
 
+@pytest.mark.slow  # the host's admission without speculation is run fast by test_mtp.py's twin
 def test_a_request_admitted_without_speculation_skips_the_draft_model_and_so_do_its_hits(models):
     """The draft model's first attention layer's KV pages: see `check_admission_without_speculation`."""
     (target_dir, target), (draft_dir, _) = models("bamba"), models("bamba", seed=1)
