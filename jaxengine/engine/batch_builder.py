@@ -67,6 +67,41 @@ class Shape:
     num_position_states: int = 0  # states after draft positions the step can write to live slots
     runs_drafter: bool = False  # the MTP module or draft model runs in it (some sequence speculates)
 
+    @property
+    def key(self) -> tuple[int, int, int, bool, int, bool]:
+        """The runner's key of the shape's executable (`step_executables.ShapeKey`)."""
+        return self.num_tokens, self.num_seqs, self.num_saves, self.decode, self.sample_width, self.runs_drafter
+
+    @property
+    def size(self) -> tuple[int, int, bool, int, int, int, bool]:
+        """Orders shapes from the cheapest step to the dearest."""
+        return (
+            self.num_tokens,
+            self.num_seqs,
+            not self.decode,
+            self.num_saves,
+            self.sample_width,
+            self.num_position_states,
+            self.runs_drafter,
+        )
+
+    def covers(self, small: "Shape") -> bool:
+        """Whether a step of shape `small` fits this one: no dimension smaller, and a decode
+        step fits a mixed shape (a mixed step handles any tokens per sequence) but not the
+        reverse (a verify shape is a decode shape with more tokens per sequence: a plain decode
+        step fits it); a shape with the drafter fits a step without it (the drafter skips it at
+        run time)."""
+        return (
+            self.num_tokens >= small.num_tokens
+            and self.num_seqs >= small.num_seqs
+            and self.num_saves >= small.num_saves
+            and (self.decode == small.decode or not self.decode)
+            and (not self.decode or self.num_tokens // self.num_seqs >= small.num_tokens // small.num_seqs)
+            and self.sample_width >= small.sample_width
+            and self.num_position_states >= small.num_position_states
+            and self.runs_drafter >= small.runs_drafter
+        )
+
 
 def save_buckets(num_seqs: int) -> tuple[int, ...]:
     """0, then powers of four below `num_seqs`, then `num_seqs`: a decode step's save room."""

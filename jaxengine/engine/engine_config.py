@@ -8,7 +8,7 @@ from jaxengine.cache import checkpoint_policy
 from jaxengine.engine import vllm_args
 from jaxengine.engine.mesh import Parallelism
 from jaxengine.engine.pools import recurrent_block_elems
-from jaxengine.engine.speculative import SpeculativeConfig
+from jaxengine.engine.spec.config import SpeculativeConfig
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.kernels import KERNELS
 
@@ -194,6 +194,28 @@ class EngineConfig:
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         return self.max_model_len or min(model.max_position_embeddings, 4096)
+
+    def check_model(self, model: ModelConfig, model_dir: Path) -> None:
+        """A ValueError naming the engine argument that the model at `model_dir` cannot
+        serve, before its weights load."""
+        if self.dtype == "float16" and model.num_recurrent_layers:
+            raise ValueError(
+                "engine argument dtype='float16' is not supported for models with recurrent layers "
+                "(their float32 states would not fit float16 checkpoints); use bfloat16 or float32"
+            )
+        max_model_len = self.resolved_max_model_len(model)
+        if model.num_attention_layers and max_model_len > model.max_position_embeddings:
+            raise ValueError(
+                f"engine argument max_model_len={max_model_len} exceeds the model's "
+                f"max_position_embeddings={model.max_position_embeddings} ({model_dir / 'config.json'})"
+            )
+        if self.max_logprobs > model.vocab_size:
+            raise ValueError(
+                f"engine argument max_logprobs={self.max_logprobs} exceeds the vocabulary ({model.vocab_size})"
+            )
+        spec = self.speculative()
+        if spec is not None:
+            spec.check_target(model, model_dir)
 
     def resolved_retention_interval(self, model: ModelConfig) -> tuple[int | None, str]:
         """The retention interval and why it was chosen (for the start-up log line)."""

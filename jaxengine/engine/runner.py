@@ -13,13 +13,14 @@ from jaxengine.engine.mesh import Parallelism, Rules, axis_rules, param_sharding
 from jaxengine.engine.multihost import Lockstep
 from jaxengine.engine.pools import allocate_pools, pool_shardings
 from jaxengine.engine.sampler import SampleOutput, SamplingBatch, draft_tokens, prompt_logprobs, sample_tokens
+from jaxengine.engine.spec.acceptance import last_accepted_rows
 from jaxengine.engine.step_executables import StepExecutables
 from jaxengine.engine.step_store import StepStore
 from jaxengine.models.batch import Pools, StepBatch
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.draft_chain import draft_model_drafts
 from jaxengine.models.kernels import kernel_ops
-from jaxengine.models.mtp import last_accepted_rows, mtp_drafts
+from jaxengine.models.mtp import mtp_drafts
 
 
 def _model_step(

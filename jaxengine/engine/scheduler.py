@@ -93,7 +93,6 @@ class Scheduler:
         cache: PrefixCache,
         slots: LiveSlots | None,
         retention_interval: int | None = checkpoint_policy.DENSE,
-        propose: Callable[[Sequence, int], list[int]] | None = None,
         num_speculative_tokens: int = 0,
         speculates: Callable[[int, bool], bool] | None = None,
     ):
@@ -103,9 +102,8 @@ class Scheduler:
         self.cache = cache
         self.slots = slots  # None for models without recurrent layers
         self.retention_interval = retention_interval
-        # Speculation: `propose(seq, at_most)` drafts tokens for a sequence about to decode;
-        # each sequence then owns a live slot per draft position besides its read and write slots.
-        self.propose = propose
+        # Speculation: a sequence about to decode verifies the drafts it offers (`SpecState`),
+        # and owns a live slot per draft position besides its read and write slots.
         # `speculates(num_seqs, hit_has_draft_state)`: whether a sequence admitted now into a batch
         # of `num_seqs` (those running and waiting, up to max_num_seqs) speculates.
         self.speculates = speculates
@@ -162,7 +160,8 @@ class Scheduler:
         seq.num_computed = seq.num_registered_pages = 0
         seq.junctions = {}
         seq.hit_checkpoint = seq.prompt_checkpoint = seq.trailing_checkpoint = None
-        seq.step_drafts = []  # made from the state just let go
+        if seq.spec is not None:
+            seq.spec.forget_drafts()  # made from the state just let go
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -218,7 +217,7 @@ class Scheduler:
         if self.speculates is not None:  # (`seq` is still among the waiting)
             hit_blocks = seq.pages[: match.hit_pages] + (match.checkpoint.blocks if match.checkpoint else [])
             load = min(self.max_num_seqs, len(self.running) + len(self.waiting))
-            seq.speculates = self.speculates(load, self.without_draft_state.isdisjoint(hit_blocks))
+            seq.spec.speculates = self.speculates(load, self.without_draft_state.isdisjoint(hit_blocks))
         if match.checkpoint is not None:
             seq.restore = match.checkpoint
             if continues:  # superseded once this sequence checkpoints past it
@@ -274,10 +273,11 @@ class Scheduler:
         return step
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """Draft tokens for a running sequence about to decode (none for others)."""
+        """The drafts a running sequence about to decode verifies: those it offers, as many as
+        the token budget leaves room for (none for others)."""
         if not seq.speculates or seq.num_uncomputed != 1 or seq.status is not Status.RUNNING or budget < 2:
             return []
-        return self.propose(seq, budget - 1)
+        return seq.spec.offered[: budget - 1]
 
     def _plan_saves(self, step: ScheduledStep) -> list[CheckpointSave]:
         """The checkpoints this step stores, where the cache has room for them: edges first,
@@ -399,6 +399,31 @@ class Scheduler:
         seq.status = Status.FINISHED
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
+
+    def cache_report(self, block_bytes: int) -> dict:
+        """The prefix cache's hits and the pool's use since start, as `stats()` reports them."""
+        cache, slots, c = self.cache, self.slots, self.cache.counters
+        asked = self.stats.tokens_asked
+        page_blocks = cache.num_page_blocks if cache.has_kv else 0
+        return {
+            "tokens_asked": asked,
+            "tokens_hit": self.stats.tokens_hit,
+            "hit_rate": self.stats.tokens_hit / asked if asked else 0.0,
+            "tokens_lost_for_want_of_checkpoint": self.stats.tokens_lost,
+            "cache_blocks": cache.pool.num_usable,
+            "cache_block_bytes": block_bytes,
+            "blocks_in_use": cache.pool.num_referenced,
+            "kv_pages_cached": page_blocks,
+            "kv_page_bytes_held": page_blocks * block_bytes,
+            "checkpoints_held": len(cache.checkpoints),
+            "checkpoint_bytes_held": cache.num_checkpoint_blocks * block_bytes,
+            "kv_page_evictions": c.pages_evicted,
+            "checkpoint_evictions": c.checkpoints_evicted,
+            "checkpoints_written": c.checkpoints_written,
+            "checkpoints_skipped": c.checkpoints_skipped,
+            "ssm_live_slots_in_use": len(slots.in_use) if slots else 0,
+            "preemptions": self.num_preemptions,
+        }
 
     def recover(self, device_state_lost: bool) -> None:
         """Makes the bookkeeping consistent after a step that failed anywhere: reservations

@@ -7,7 +7,7 @@ import time
 from jaxengine.cache.prefix_cache import Checkpoint
 from jaxengine.engine.outputs import Logprob
 from jaxengine.engine.sampling_params import SamplingParams
-from jaxengine.engine.speculative import NgramIndex
+from jaxengine.engine.spec.state import SpecState
 
 
 class Status(enum.Enum):
@@ -66,11 +66,12 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] = dataclasses.field(default_factory=lambda: [None])
     cumulative_logprob: float = 0.0  # of its chosen tokens (kept when logprobs are asked)
-    # Drafts for its next step: its last step made them (mtp, draft_model), or prompt lookup (ngram).
-    step_drafts: list[int] = dataclasses.field(default_factory=list)
-    ngram_index: NgramIndex | None = None  # ngram's lookup over its tokens, kept up to date as they grow
-    # Whether it speculates (drafts, and has the draft's state kept for it), decided at admission.
-    speculates: bool = False
+    spec: SpecState | None = None  # its speculation, in an engine that speculates
+
+    @property
+    def speculates(self) -> bool:
+        """Whether it was admitted to speculate (drafts, and has the draft's state kept for it)."""
+        return self.spec is not None and self.spec.speculates
 
     @property
     def num_output_tokens(self) -> int:

@@ -50,7 +50,7 @@ def draft_model_drafts(
     `choose` from the draft's logits.
 
     sample_rows [S, W] flat token indices, num_drafts [S], sampled [S, W]: the step's samples;
-    last [S]: each sequence's last accepted sample row (`last_accepted_rows`).
+    last [S]: each sequence's last accepted sample row (`engine/spec/acceptance.py`).
     Returns drafts [S, k] int32 (zeros when none is wanted) and the draft's pools after the step."""
 
     def run(carry):  # the pass over the step's tokens, only when some sequence speculates

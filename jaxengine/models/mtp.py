@@ -69,23 +69,6 @@ class Mtp(nnx.Module):
 DraftChooser = Callable[[jax.Array, int], jax.Array]  # (logits [S, V], drafts before it) -> draft [S] int32
 
 
-def last_accepted_rows(
-    batch: StepBatch, sample_rows: jax.Array, num_drafts: jax.Array, sampled: jax.Array
-) -> jax.Array:
-    """Per sequence, the sample row (0..W-1) of its last accepted token: the host's `accept`
-    done on device (drafts kept while the target's sample after the row before agrees).
-
-    sample_rows [S, W] flat token indices, num_drafts [S], sampled [S, W] -> [S] int32."""
-    num_seqs, width = sampled.shape
-    if width == 1:
-        return jnp.zeros(num_seqs, jnp.int32)
-    first = width - 1 - num_drafts  # [S]: the row of the pending token
-    drafts = batch.input_ids[sample_rows[:, 1:]]  # [S, W - 1]: the token after each row
-    before = jnp.arange(width - 1)[None, :] < first[:, None]
-    agree = (sampled[:, :-1] == drafts) | before
-    return jnp.sum(jnp.cumprod(agree, axis=1), axis=1).astype(jnp.int32)
-
-
 def mtp_drafts(
     model,
     pools: Pools,
@@ -108,7 +91,7 @@ def mtp_drafts(
     `choose` from the module's logits.
 
     hidden [T, D]: the target's final hidden states; sampled [S, W]: the step's samples;
-    last [S]: each sequence's last accepted sample row (`last_accepted_rows`);
+    last [S]: each sequence's last accepted sample row (`engine/spec/acceptance.py`);
     following_ids [T]: the token after each token where the host knows it, else -1.
     Returns drafts [S, k] int32 (zeros when none is wanted) and the pools with the MTP
     layer's KV entries written.

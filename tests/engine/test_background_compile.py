@@ -8,7 +8,6 @@ import pytest
 from jaxengine import LLM, SamplingParams
 from jaxengine.engine import step_executables, step_store
 from jaxengine.engine.batch_builder import Shape
-from jaxengine.engine.llm_engine import _covers
 
 # Token bucket 16, sequence buckets 1 and 2: seven step shapes.
 ARGS = dict(max_model_len=96, page_size=4, max_num_seqs=2, max_num_batched_tokens=16, compilation_cache_dir=None)
@@ -58,13 +57,13 @@ def test_only_the_largest_shapes_wait_and_tokens_are_those_of_exact_shapes(
 
 def test_a_step_fits_shapes_no_smaller_and_decode_fits_mixed():
     decode, mixed = Shape(4, 4, True, 1), Shape(16, 4, False, 8)
-    assert _covers(mixed, decode) and not _covers(decode, mixed)
-    assert _covers(Shape(4, 4, True, 4), decode) and not _covers(Shape(4, 4, True, 0), decode)
-    assert not _covers(Shape(16, 1, False, 5), Shape(16, 4, False, 8))
+    assert mixed.covers(decode) and not decode.covers(mixed)
+    assert Shape(4, 4, True, 4).covers(decode) and not Shape(4, 4, True, 0).covers(decode)
+    assert not Shape(16, 1, False, 5).covers(Shape(16, 4, False, 8))
     verify = Shape(16, 4, False, 8, sample_width=3, num_position_states=8)  # a mixed step verifying 2 drafts
-    assert _covers(verify, mixed) and not _covers(mixed, verify)
-    assert _covers(verify, Shape(12, 4, True, 1, sample_width=3, num_position_states=8))
+    assert verify.covers(mixed) and not mixed.covers(verify)
+    assert verify.covers(Shape(12, 4, True, 1, sample_width=3, num_position_states=8))
     # With the MTP module or draft model: a step in which no sequence speculates (no drafter)
     # fits the drafter's shape, which skips it at run time; not the reverse.
     drafter = Shape(16, 4, False, 8, runs_drafter=True)
-    assert _covers(drafter, mixed) and not _covers(mixed, drafter)
+    assert drafter.covers(mixed) and not mixed.covers(drafter)

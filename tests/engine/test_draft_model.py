@@ -58,23 +58,23 @@ def test_drafts_are_the_draft_models_greedy_continuation(models, pair):
     prompt = random_prompt(21, 0)
     seq = engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     engine.step()  # the prompt's prefill
-    assert seq.step_drafts == hf_greedy(draft, seq.tokens, K)
+    assert seq.spec.drafts == hf_greedy(draft, seq.tokens, K)
 
-    seq.step_drafts = hf_greedy(target, seq.tokens, K)  # right drafts: all accepted
+    seq.spec.drafts = hf_greedy(target, seq.tokens, K)  # right drafts: all accepted
     engine.step()
     assert len(seq.tokens) == 21 + 1 + K + 1
-    assert seq.step_drafts == hf_greedy(draft, seq.tokens, K)
+    assert seq.spec.drafts == hf_greedy(draft, seq.tokens, K)
 
     right = hf_greedy(target, seq.tokens, 1)[0]
-    seq.step_drafts = [(right + 1) % target.config.vocab_size] * K  # wrong drafts: none accepted
+    seq.spec.drafts = [(right + 1) % target.config.vocab_size] * K  # wrong drafts: none accepted
     engine.step()
     assert seq.tokens[-1] == right
-    assert seq.step_drafts == hf_greedy(draft, seq.tokens, K)
+    assert seq.spec.drafts == hf_greedy(draft, seq.tokens, K)
 
     again = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
     engine.step()  # a prefix hit: the draft's KV pages and checkpoint come from the cache
     assert again.num_cached_tokens == 20
-    assert again.step_drafts == hf_greedy(draft, again.tokens, K)
+    assert again.spec.drafts == hf_greedy(draft, again.tokens, K)
 
 
 @pytest.mark.slow  # test_mtp.py runs the same checks fast for in-step drafting; the draft's states: below

@@ -41,23 +41,23 @@ def test_drafts_are_the_modules_greedy_drafts(mtp_models, arch):
     prompt = random_prompt(21, 0)
     seq = engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     engine.step()  # the prompt's prefill
-    assert seq.step_drafts == reference_drafts(model, mtp, seq.tokens, K)
+    assert seq.spec.drafts == reference_drafts(model, mtp, seq.tokens, K)
 
-    seq.step_drafts = hf_greedy(model, seq.tokens, K)  # right drafts: all accepted, the MTP reads the last row
+    seq.spec.drafts = hf_greedy(model, seq.tokens, K)  # right drafts: all accepted, the MTP reads the last row
     engine.step()
     assert len(seq.tokens) == 21 + 1 + K + 1
-    assert seq.step_drafts == reference_drafts(model, mtp, seq.tokens, K)
+    assert seq.spec.drafts == reference_drafts(model, mtp, seq.tokens, K)
 
     right = hf_greedy(model, seq.tokens, 1)[0]
-    seq.step_drafts = [(right + 1) % model.config.vocab_size] * K  # wrong drafts: none accepted
+    seq.spec.drafts = [(right + 1) % model.config.vocab_size] * K  # wrong drafts: none accepted
     engine.step()
     assert seq.tokens[-1] == right
-    assert seq.step_drafts == reference_drafts(model, mtp, seq.tokens, K)
+    assert seq.spec.drafts == reference_drafts(model, mtp, seq.tokens, K)
 
     again = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
     engine.step()  # a prefix hit: the MTP layer's KV of the cached pages comes from the cache
     assert again.num_cached_tokens == 20
-    assert again.step_drafts == reference_drafts(model, mtp, again.tokens, K)
+    assert again.spec.drafts == reference_drafts(model, mtp, again.tokens, K)
 
 
 @pytest.mark.slow  # tokens under MTP speculation: run fast under preemption below

@@ -119,7 +119,7 @@ def test_a_fault_at_any_point_of_a_step_leaves_the_engine_sound(llm, expected, m
         "schedule": (llm.engine.scheduler, "schedule", False),
         "build": (llm.engine.builder, "build", False),
         "update mid-way": (llm.engine.scheduler, "_register_pages", False),
-        "token handling": (llm.engine, "_check_finished", False),
+        "token handling": (llm.engine.outputs, "append", False),
         **_runner_points(llm),
     }
     owner, name, after = owners[point]

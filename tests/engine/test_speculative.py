@@ -11,7 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxengine import LLM, SamplingParams
-from jaxengine.engine.speculative import NgramIndex, SpeculationGate, SpeculativeConfig, accept
+from jaxengine.engine.spec.acceptance import accept
+from jaxengine.engine.spec.config import SpeculativeConfig
+from jaxengine.engine.spec.gate import SpeculationGate
+from jaxengine.engine.spec.ngram import NgramIndex
 from jaxengine.engine.step_executables import shape_key
 from jaxengine.run_config import ConfigError, load_run_config
 from tests.models.tiny_models import VOCAB_SIZE, hf_greedy, random_prompt, save_tiny_model
@@ -108,7 +111,7 @@ def check_admission_without_speculation(engine, model, pools_name: str, k_index:
     another prompt does, and the draft writes its entries. The draft's K pages are
     `engine.runner.<pools_name>.k_pages[k_index]`."""
     asked = []
-    engine.gate.admits = lambda num_seqs: asked.append(num_seqs) or len(asked) > 1  # no, then yes
+    engine.spec.gate.admits = lambda num_seqs: asked.append(num_seqs) or len(asked) > 1  # no, then yes
     runner = engine.runner
     pools = getattr(runner, pools_name)
     setattr(
@@ -144,11 +147,11 @@ def check_admission_without_speculation(engine, model, pools_name: str, k_index:
     again = generate(first)
     assert again.num_cached_tokens == 40 and not again.speculates
     assert asked == [1]  # a hit without the draft's state is not the gate's to decide
-    assert not any(written(cached_pages())) and engine.spec_stats.verifies == 0
+    assert not any(written(cached_pages())) and engine.spec.stats.verifies == 0
     assert generate(other).speculates
     assert any(key[-1] for key in ready)
     new = cached_pages() - pages
-    assert len(new) >= 41 // ARGS["page_size"] and all(written(new)) and engine.spec_stats.verifies > 0
+    assert len(new) >= 41 // ARGS["page_size"] and all(written(new)) and engine.spec.stats.verifies > 0
     stats = engine.stats()
     assert (stats["spec_requests_speculating"], stats["spec_requests_not_speculating"]) == (1, 2)
     engine.scheduler.check_invariants()
@@ -160,7 +163,7 @@ def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_p
     and prefill steps; the seeded test below compares with an engine built without it)."""
     save_tiny_model(arch, tmp_path)
     llm = LLM(tmp_path, speculative_config=NGRAM, **ARGS)
-    llm.engine.draft = lambda seq, limit: []
+    llm.engine.spec.propose = lambda seq, limit: []
     steps = set()  # (decode, verifies drafts, rows sampled per sequence) of each step run
     sample = llm.engine.runner.sample
     llm.engine.runner.sample = lambda batch, sampling, decode: (
@@ -174,14 +177,14 @@ def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_p
     assert any(reason == "stop" for _, reason in want)
     assert llm.stats()["spec_draft_tokens"] == 0
 
-    llm.engine.draft = llm.engine._ngram_draft
+    llm.engine.spec.propose = llm.engine.spec.ngram_lookup
     assert _run(llm, stop_id) == want  # ngram drafts
     stats = llm.stats()
     assert stats["spec_draft_tokens"] > 0 and stats["tokens_hit"] > 0
     # Some drafts were verified in a verify step (no prefill: T = S * (k + 1), one-token updates).
     assert any(decode and t == s * (K + 1) for t, s, _, decode, *_ in llm.engine.runner.steps.ready)
 
-    llm.engine.draft = _oracle(continuation, wrong=False)
+    llm.engine.spec.propose = _oracle(continuation, wrong=False)
     before = llm.stats()
     assert _run(llm, stop_id) == want
     after = llm.stats()
@@ -195,7 +198,7 @@ def test_tokens_identical_with_and_without_speculation_whatever_the_drafts(tmp_p
     # decode or mixed, runs in a plain engine's shape.
     assert {(verifies, width) for _, verifies, width in steps} == {(False, 1), (True, K + 1)}
 
-    llm.engine.draft = _oracle(continuation, wrong=True)
+    llm.engine.spec.propose = _oracle(continuation, wrong=True)
     if llm.engine.scheduler.slots is not None:
         _poison_unread_slots(llm)
     before = llm.stats()
@@ -238,11 +241,11 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(tiny
         o.outputs[0].token_ids for o in LLM(tiny_models["bamba"][0], **ARGS).generate(prompts, params, use_tqdm=False)
     ]
     continuation = {tuple(p): o for p, o in zip(prompts, want)}
-    bamba_spec.engine.draft = _oracle(continuation, wrong=False)  # right after the first token
+    bamba_spec.engine.spec.propose = _oracle(continuation, wrong=False)  # right after the first token
     try:
         assert [o.outputs[0].token_ids for o in bamba_spec.generate(prompts, params, use_tqdm=False)] == want
     finally:
-        bamba_spec.engine.draft = bamba_spec.engine._ngram_draft
+        bamba_spec.engine.spec.propose = bamba_spec.engine.spec.ngram_lookup
     assert bamba_spec.stats()["spec_accepted_tokens"] > 0
 
 
@@ -441,12 +444,14 @@ def test_ngram_verifies_only_where_enough_sequences_have_drafts(tiny_models):
     llm = LLM(tiny_models["bamba"][0], speculative_config={**NGRAM, "adaptive": True}, **ARGS)
     engine = llm.engine
     for s in engine.builder.seq_buckets:
-        engine.gate.record_decode(s, 0.010)
-        engine.gate.record_verify(s, 0.022, emitted_per_seq=3.0)
-    engine.gate.record_decode = engine.gate.record_verify = lambda *args, **kwargs: None  # the times above stay
+        engine.spec.gate.record_decode(s, 0.010)
+        engine.spec.gate.record_verify(s, 0.022, emitted_per_seq=3.0)
+    engine.spec.gate.record_decode = engine.spec.gate.record_verify = lambda *args, **kwargs: (
+        None
+    )  # the times above stay
     prompts = [random_prompt(25, seed) for seed in (1, 2, 3)]
     finds = [prompts[0], prompts[2]]  # prompt lookup finds drafts for these
-    engine.draft = lambda seq, limit: [1] * limit if seq.tokens[:25] in finds else []
+    engine.spec.propose = lambda seq, limit: [1] * limit if seq.tokens[:25] in finds else []
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     want = [hf_greedy(tiny_models["bamba"][1], p, 10) for p in prompts]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params, use_tqdm=False)] == want[:2]
@@ -461,15 +466,15 @@ def test_the_gate_times_every_decode_and_verify_step_but_a_shapes_first(tiny_mod
     llm = LLM(tiny_models["bamba"][0], speculative_config={**NGRAM, "adaptive": True}, **ARGS)
     engine = llm.engine
     for s in engine.builder.seq_buckets:  # verify steps pay: the gate opens wherever drafts are
-        engine.gate.record_decode(s, 0.010)
-        engine.gate.record_verify(s, 0.001, emitted_per_seq=3.0)
-    engine.draft = lambda seq, limit: [1] * limit
+        engine.spec.gate.record_decode(s, 0.010)
+        engine.spec.gate.record_verify(s, 0.001, emitted_per_seq=3.0)
+    engine.spec.propose = lambda seq, limit: [1] * limit
     keys, timed = [], []  # each step's executable key; the steps (1-based) whose time the gate got
     sample = engine.runner.sample
     engine.runner.sample = lambda batch, sampling, decode: (
         keys.append(shape_key(batch, sampling, decode)) or sample(batch, sampling, decode)
     )
-    engine.gate.record_decode = engine.gate.record_verify = lambda *args, **kwargs: timed.append(len(keys))
+    engine.spec.gate.record_decode = engine.spec.gate.record_verify = lambda *args, **kwargs: timed.append(len(keys))
     prompts = [random_prompt(25, seed) for seed in (1, 2, 3)]
     llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False)
     first = {keys.index(k) + 1 for k in set(keys)}

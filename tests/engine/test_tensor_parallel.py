@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxengine import LLM, SamplingParams
-from jaxengine.engine import llm_engine
+from jaxengine.engine import engine_setup
 from jaxengine.engine.mesh import Parallelism
 from jaxengine.models.arch import load_model_config
 from jaxengine.models.loader import load_model
@@ -163,7 +163,7 @@ def test_bad_parallel_arguments_are_refused_before_loading(models, monkeypatch, 
     def not_loaded(*args, **kw):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(llm_engine, "load_model", not_loaded)
+    monkeypatch.setattr(engine_setup, "load_model", not_loaded)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         LLM(models("bamba")[0], **ARGS, **kwargs)
 

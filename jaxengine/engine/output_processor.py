@@ -1,0 +1,118 @@
+"""From sampled tokens to a request's output: stops, log-probabilities, text."""
+
+import numpy as np
+
+from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxengine.engine.sampler import PromptLogprobs
+from jaxengine.engine.scheduler import ScheduledStep
+from jaxengine.engine.sequence import Sequence, Status
+
+
+class OutputProcessor:
+    """Appends what a step sampled to its sequences' outputs, as vLLM's output processing does:
+    whether a token ends a sequence (stop token ids, EOS, stop strings, lengths), each token's
+    `Logprob` entries, and the detokenized text cut at a matched stop string."""
+
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]):
+        self.tokenizer = tokenizer  # None: token ids only
+        self.eos_token_ids = eos_token_ids
+
+    def append(self, seq: Sequence, token: int, row_logprobs: tuple | None) -> None:
+        """Appends a sampled token and, if asked, its log-probability entries; sets the
+        finish reason if it ends the sequence. `row_logprobs`: (chosen logprob, rank,
+        top ids [N], top logprobs [N]) of its sample row."""
+        seq.tokens.append(token)
+        if seq.params.logprobs is not None:
+            chosen, rank, top_ids, top_lp = row_logprobs
+            top = zip(top_ids[: seq.params.logprobs], top_lp)
+            seq.logprobs.append(self._entries(seq, token, float(chosen), int(rank), top))
+            seq.cumulative_logprob += float(chosen)
+        self._check_finished(seq, token)
+
+    def record_prompt_logprobs(self, scheduled: ScheduledStep, prompt: PromptLogprobs) -> None:
+        """Appends the Logprob entries of the prompt tokens this step's chunks predict (the
+        tokens after the ones they compute), for the sequences that asked."""
+        lp, rank, top_lp, top_ids = (
+            np.asarray(a) for a in (prompt.logprob, prompt.rank, prompt.top_logprobs, prompt.top_ids)
+        )
+        offset = 0
+        for seq, n in zip(scheduled.seqs, scheduled.num_tokens):
+            k, start = seq.params.prompt_logprobs, seq.num_computed
+            for q in range(start, min(start + n, seq.num_prompt_tokens - 1)) if k is not None else ():
+                if len(seq.prompt_logprobs) == q + 1:  # else recorded before a preemption
+                    t = offset + q - start
+                    top = zip(top_ids[t, :k], top_lp[t, :k])
+                    seq.prompt_logprobs.append(self._entries(seq, seq.tokens[q + 1], float(lp[t]), int(rank[t]), top))
+            offset += n
+
+    def _entries(self, seq: Sequence, token: int, logprob: float, rank: int, top) -> dict[int, Logprob]:
+        """One position's Logprob entries: the chosen (or prompt) token first, then the top N."""
+        entry = {token: Logprob(logprob, rank, self._token_text(seq, token))}
+        for r, (t, lp) in enumerate(top, start=1):
+            entry.setdefault(int(t), Logprob(float(lp), r, self._token_text(seq, int(t))))
+        return entry
+
+    def _token_text(self, seq: Sequence, token: int) -> str | None:
+        if self.tokenizer is None or not seq.params.detokenize:
+            return None
+        return self.tokenizer.decode([token])
+
+    def _check_finished(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if token in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return
+            if not p.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return
+            if p.stop and self.tokenizer is not None:
+                text = self._full_text(seq)
+                found = [(at, s) for s in p.stop if (at := text.find(s)) >= 0]
+                if found:
+                    at, stop = min(found)
+                    seq.stop_text_cut = at + len(stop) if p.include_stop_str_in_output else at
+                    seq.finish_reason, seq.stop_reason = "stop", stop
+                    return
+        if seq.num_output_tokens >= p.max_tokens:
+            seq.finish_reason = "length"
+
+    def _full_text(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def decode(self, seq: Sequence) -> str:
+        """The output text so far, cut at a matched stop string ("" without detokenizing)."""
+        if self.tokenizer is None or not seq.params.detokenize:
+            return ""
+        text = self._full_text(seq)
+        return text if seq.stop_text_cut is None else text[: seq.stop_text_cut]
+
+    def completion(self, seq: Sequence) -> CompletionOutput:
+        """One sample's output so far."""
+        metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_preemptions)
+        wants_logprobs = seq.params.logprobs is not None
+        return CompletionOutput(
+            index=seq.sample,
+            text=self.decode(seq) if self.tokenizer is not None else None,
+            token_ids=seq.output_token_ids,
+            cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
+            logprobs=seq.logprobs if wants_logprobs else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            metrics=metrics,
+        )
+
+    def output(self, samples: list[Sequence]) -> RequestOutput:
+        """The output of one prompt from its samples (sample 0 first)."""
+        first = samples[0]
+        outputs = [self.completion(s) for s in samples]
+        return RequestOutput(
+            request_id=first.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.tokens[: first.num_prompt_tokens],
+            prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
+            outputs=outputs,
+            finished=all(s.status is Status.FINISHED for s in samples),
+            num_cached_tokens=first.num_cached_tokens or 0,
+            metrics=outputs[0].metrics,
+        )

@@ -1,0 +1,22 @@
+"""A sequence's speculation state (`Sequence.spec`; None in an engine without speculation)."""
+
+import dataclasses
+
+from jaxengine.engine.spec.ngram import NgramIndex
+
+
+@dataclasses.dataclass
+class SpecState:
+    """Whether the sequence speculates (decided as it is admitted: `Speculator.admits`), the
+    drafts made for its next step (by its last step with the MTP module or a draft model, or by
+    ngram's lookup), the ones it offers this step (`Speculator.before_step`; what the scheduler
+    verifies, budget permitting), and ngram's index over its tokens."""
+
+    speculates: bool = False
+    drafts: list[int] = dataclasses.field(default_factory=list)
+    offered: list[int] = dataclasses.field(default_factory=list)
+    ngram: NgramIndex | None = None
+
+    def forget_drafts(self) -> None:
+        """Drops drafts made from a state the sequence no longer has (it was preempted)."""
+        self.drafts, self.offered = [], []
