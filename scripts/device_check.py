@@ -879,12 +879,12 @@ def verify_row(model_dir: Path, kernels: str, spec: EngineSpec, method: str = "n
         speculative_config=config,
     )
     engine = llm.engine
-    drafter = engine.draft
+    drafter = engine.spec.propose
     params = SamplingParams(max_tokens=spec.decode_tokens, temperature=0.0, ignore_eos=True)
     vocab = spec.bamba["vocab_size"]
 
     def run(drafts: bool, seed: int) -> tuple[float, list[list[int]]]:
-        engine.draft = drafter if drafts else (lambda seq, limit: [])
+        engine.spec.propose = drafter if drafts else (lambda seq, limit: [])
         prompts = periodic_prompts(spec.decode_batch, spec.decode_prompt_len, vocab, seed)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
