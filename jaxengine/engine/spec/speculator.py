@@ -8,7 +8,7 @@ import numpy as np
 from jaxengine.engine.batch_builder import Shape
 from jaxengine.engine.scheduler import ScheduledStep
 from jaxengine.engine.sequence import Sequence
-from jaxengine.engine.spec.config import DRAFTS_IN_STEP, SpeculativeConfig
+from jaxengine.engine.spec.config import SpeculativeConfig
 from jaxengine.engine.spec.gate import SpeculationGate
 from jaxengine.engine.spec.ngram import NgramIndex
 from jaxengine.engine.spec.stats import SpecStats
@@ -27,7 +27,7 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, *, seq_bucket: Callable[[int], int], max_model_len: int):
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.drafts_in_step = config.method in DRAFTS_IN_STEP  # the MTP module or a draft model
+        self.drafts_in_step = config.drafts_in_step  # the MTP module or a draft model
         # Whether this step drafts: always, or with `adaptive` (the default) while it pays.
         self.gate = SpeculationGate() if config.adaptive else None
         self.stats = SpecStats(config.num_speculative_tokens)
