@@ -244,7 +244,7 @@ class LLMEngine:
             ):
                 continue  # a prefill chunk that does not reach the end yet, or a completion step
             first_row = width - 1 - len(drafts)  # the row after its pending token
-            emitted = accept(drafts, tokens[i, first_row:].tolist()) if drafts else [int(tokens[i, first_row])]
+            emitted = accept(drafts, tokens[i, first_row:].tolist())
             accepted[i] = len(emitted) - 1
             for row, token in enumerate(emitted, start=first_row):
                 self.outputs.append(seq, token, [a[i, row] for a in logprobs] if logprobs else None)
