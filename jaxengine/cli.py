@@ -1,4 +1,4 @@
-"""Command line: `jaxengine run`, `jaxengine generate` and `jaxengine convert`."""
+"""Command line: `jaxengine run`, `jaxengine serve`, `jaxengine generate` and `jaxengine convert`."""
 
 import argparse
 import logging
@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from jaxengine.run_config import DEFAULT_MODEL
+from jaxengine.serve import cli as serve_cli
 
 # `jaxengine run` flags that set the engine keys of the same names (one host's settings).
 HOST_ARGS = ("distributed_init_addr", "num_nodes", "node_rank")
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         help="many hosts: this process's rank (0 takes the requests and writes the outputs)",
     )
     run.set_defaults(func=_run)
+
+    serve_cli.add_parser(sub)
 
     gen = sub.add_parser("generate", help="generate completions for prompts")
     gen.add_argument("prompts", nargs="+", help="text prompts")

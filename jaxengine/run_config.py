@@ -149,6 +149,30 @@ def load_run_config(path: str | Path, engine_overrides: dict | None = None) -> R
     return RunConfig(path, model, engine, sampling, input_path, Path(raw["output"]), Path(raw["metrics"]), progress)
 
 
+def load_engine_section(path: str | Path) -> tuple[str | None, dict]:
+    """A config's `model` and `engine:` section alone (what `jaxengine serve --config` reads);
+    the engine keys are checked by name here and by value when the engine is built."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of keys")
+    model, engine = raw.get("model"), raw.get("engine") or {}
+    if model is not None and not isinstance(model, str):
+        raise ConfigError(f"{path}: model must be a string path, got {model!r}")
+    if not isinstance(engine, dict):
+        raise ConfigError(f"{path}: engine must be a mapping of engine arguments")
+    try:
+        check_engine_keys(vllm_args.translate(engine), "key")
+    except ValueError as err:
+        raise ConfigError(f"{path}: engine: {err}") from err
+    return model, engine
+
+
 def load_requests(cfg: RunConfig) -> list[RunRequest]:
     """Parses the input JSONL; a bad line is a ConfigError naming the file, line and key."""
     requests = []

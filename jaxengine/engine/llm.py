@@ -17,6 +17,7 @@ from jaxengine.engine import vllm_args
 from jaxengine.engine.caller_lock import CallerLock
 from jaxengine.engine.data_parallel import DataParallelEngine
 from jaxengine.engine.engine_config import EngineConfig, check_engine_keys
+from jaxengine.engine.increments import Increments
 from jaxengine.engine.interrupts import deferred_interrupts
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput, StreamOutput
@@ -167,23 +168,38 @@ class LLM:
         """Runs engine steps, for every caller's requests, until `done()` holds. `done` reads
         request statuses, which only change under the lock: checked first without it, so a
         caller whose requests finished returns at once instead of queueing for the lock."""
-        while True:
-            if done():
-                return
-            with self._lock, deferred_interrupts():
-                while self._inbox:
-                    self.engine.enqueue(self._inbox.popleft())
-                while self._dropped:
-                    self._abort(self._dropped.popleft())
-                if done():
-                    return
+        while not done():
+            self.step_once(done)
+
+    def step_once(self, done=None, after=None) -> bool:
+        """Takes in the requests submitted since the last step, then runs one engine step for
+        every caller's requests, unless `done()` holds by then (without `done`: unless nothing
+        is unfinished);
+        `after()` runs once the step is done, still under the lock (to read its results).
+        Returns whether a step ran."""
+        with self._lock, deferred_interrupts():
+            while self._inbox:
+                self.engine.enqueue(self._inbox.popleft())
+            while self._dropped:
+                self._abort(self._dropped.popleft())
+            stepped = False
+            if (not done()) if done is not None else self.engine.has_unfinished:
                 self._stepping = True
                 try:
                     self.engine.step()
+                    stepped = True
                 finally:
                     self._stepping = False
-            if self._lock.contended:
-                time.sleep(0)  # let a caller waiting for the lock in
+            if after is not None:
+                after()
+        if self._lock.contended:
+            time.sleep(0)  # let a caller waiting for the lock in
+        return stepped
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a request is submitted or unfinished (one more step would do something)."""
+        return bool(self._inbox) or bool(self._dropped) or self.engine.has_unfinished
 
     def _abort(self, seqs: list[EngineSequence]) -> None:
         with self._lock, deferred_interrupts():
@@ -349,9 +365,7 @@ class RequestStream:
     def __init__(self, llm: LLM, seqs: list[EngineSequence]):
         self._llm = llm
         self._seqs = seqs
-        self._sent_tokens = [0] * len(seqs)
-        self._sent_text = [""] * len(seqs)
-        self._reported = [False] * len(seqs)
+        self._increments = Increments(llm.engine, seqs)
         self._closed = False
 
     def __iter__(self) -> Iterator[StreamOutput]:
@@ -360,48 +374,21 @@ class RequestStream:
     def __next__(self) -> StreamOutput:
         if self._closed:
             raise StopIteration
-        event = None
+        events = []
 
         def ready() -> bool:
-            nonlocal event
-            event = self._next_event()
-            return event is not None or all(self._reported)
+            events.extend(self._increments.take(limit=1))
+            return bool(events) or self._increments.done
 
         try:
             self._llm._step_until(ready)
         except BaseException:
             self.close()
             raise
-        if event is None:
+        if not events:
             self._closed = True
             raise StopIteration
-        return event
-
-    def _next_event(self) -> StreamOutput | None:
-        engine = self._llm.engine
-        for i, seq in enumerate(self._seqs):
-            if self._reported[i]:
-                continue
-            finished = seq.status is Status.FINISHED
-            new_tokens = seq.output_token_ids[self._sent_tokens[i] :]
-            if not new_tokens and not finished:
-                continue
-            text = engine.decode(seq)
-            sent = self._sent_text[i]
-            self._sent_tokens[i] += len(new_tokens)
-            self._sent_text[i] = text
-            self._reported[i] = finished
-            output = engine.output([seq]) if finished else None
-            return StreamOutput(
-                seq.index,
-                seq.request_id,
-                new_tokens,
-                text[len(sent) :] if text.startswith(sent) else text,
-                finished,
-                output,
-                seq.sample,
-            )
-        return None
+        return events[0]
 
     def close(self) -> None:
         """Aborts the requests not finished yet; the stream ends."""

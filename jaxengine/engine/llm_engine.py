@@ -20,6 +20,7 @@ from jaxengine.engine.scheduler import ScheduledStep
 from jaxengine.engine.sequence import Sequence, Status
 from jaxengine.engine.spec.acceptance import accept
 from jaxengine.engine.step_executables import StoredStepFailed
+from jaxengine.engine.step_timeline import StepTimeline
 from jaxengine.host_memory import give_back_freed_memory
 
 
@@ -49,6 +50,7 @@ class LLMEngine:
         # Shapes that have run a step: an executable's first run is several times slower than
         # its next ones, so the speculation gate does not time it.
         self._shapes_run: set[Shape] = set()
+        self.timeline = StepTimeline()  # where each step's time goes (`step_timeline.py`)
         self._next_id = 0
 
     # ------------------------------------------------------------------ step shapes
@@ -224,8 +226,10 @@ class LLMEngine:
         batch, sampling = self.builder.build(scheduled, shape, drafting=drafting_next)
         start = time.perf_counter()
         out = self.runner.sample(batch, sampling, decode=shape.decode)
+        dispatched = time.perf_counter()
         tokens = np.asarray(out.tokens)  # [S, W]: a sequence's sample rows are its last W tokens
-        device_seconds = time.perf_counter() - start
+        ready = time.perf_counter()
+        device_seconds = ready - start
         if any(s.params.prompt_logprobs is not None for s in scheduled.seqs):
             self.outputs.record_prompt_logprobs(scheduled, out.prompt)
         logprobs = None
@@ -264,6 +268,12 @@ class LLMEngine:
             self.requests.pop(seq.request_id, None)
         first_run = shape not in self._shapes_run
         self._shapes_run.add(shape)
+        if first_run:  # a compile, or an executable's slower first run: not a step's time
+            self.timeline.pause()
+        else:
+            self.timeline.record(step_start, start, dispatched, ready, time.perf_counter())
+        if not self.scheduler.has_unfinished:
+            self.timeline.pause()
         if self.spec is not None:  # what the step showed
             self.spec.after_step(
                 scheduled,
@@ -291,6 +301,7 @@ class LLMEngine:
             "peak_ssm_live_slots_in_use": self.peak_slots_in_use,
             "steps_in_larger_shapes": self.steps_in_larger_shapes,
             "step_shapes_not_ready": len(self.shapes()) - len(self.runner.steps.ready),
+            **self.timeline.as_dict(),
             **(self.spec.stats.as_dict() if self.spec else {}),
         }
 

@@ -96,3 +96,4 @@ class StreamOutput:
     finished: bool
     output: RequestOutput | None = None  # the complete output, on the last increment
     sample: int = 0  # which of the request's n samples
+    new_logprobs: SampleLogprobs | None = None  # the new tokens' entries, when logprobs were asked

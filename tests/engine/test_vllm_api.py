@@ -103,7 +103,7 @@ def test_default_sampling_params_come_from_generation_config(tmp_path):
     assert len(llm.generate("x = 1\n")[0].outputs[0].token_ids) <= 7  # generate without params uses them
 
 
-def test_chat_renders_the_template_and_tokenizes_once(llm: LLM):
+def test_chat_renders_the_template_and_tokenizes_once(llm: LLM, monkeypatch):
     conversation = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Add two numbers."}]
     out = llm.chat(conversation, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), chat_template=TEMPLATE)
     rendered = "### system:\nYou write Python.\n### user:\nAdd two numbers.\n### assistant:\n"
@@ -113,6 +113,10 @@ def test_chat_renders_the_template_and_tokenizes_once(llm: LLM):
     assert out[0].outputs[0].token_ids == direct.outputs[0].token_ids
     two = llm.chat([conversation, conversation[1:]], SamplingParams(max_tokens=2), chat_template=TEMPLATE)
     assert len(two) == 2 and two[1].prompt.startswith("### user:")
+    # The embedded model's own template (Python comments) when none is given.
+    own = llm.chat(conversation, SamplingParams(max_tokens=1))[0].prompt
+    assert own == "<|endoftext|># system: You write Python.\n# user: Add two numbers.\n# assistant:\n"
+    monkeypatch.setattr(llm.get_tokenizer(), "chat_template", None)  # a model without one
     with pytest.raises(ValueError, match="has no chat template"):
         llm.chat(conversation)
 

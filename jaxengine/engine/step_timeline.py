@@ -1,0 +1,68 @@
+"""Where each engine step's time goes, from the host's clock: scheduling and building the
+batch, dispatching the compiled step, waiting for the device, and processing its tokens;
+and the gap the device sits idle between two steps (from the moment the host read the last
+step's tokens until it dispatched the next).
+
+The engine loop is synchronous: the device runs while the host waits, and idles while the
+host works, so the idle fraction is the share of wall time a loop that overlaps host and
+device work could win back."""
+
+import collections
+import dataclasses
+import statistics
+
+WINDOW = 1024  # steps the medians are taken over (the most recent)
+
+
+@dataclasses.dataclass
+class StepTimes:
+    """One step's phases, in seconds."""
+
+    host_before: float  # scheduling and building the batch
+    dispatch: float  # handing the compiled step to the device
+    device_wait: float  # from dispatch until its tokens were on the host
+    host_after: float  # acceptance, stops, detokenizing, cache bookkeeping
+    idle_gap: float | None  # the device's idle time before this step (None for the first)
+
+
+class StepTimeline:
+    """Step times of an engine (`record` per step; `as_dict` for stats)."""
+
+    def __init__(self) -> None:
+        self.recent: collections.deque[StepTimes] = collections.deque(maxlen=WINDOW)
+        self.busy_seconds = 0.0  # device: dispatch and wait, summed
+        self.idle_seconds = 0.0  # device idle between steps, summed
+        self._last_ready: float | None = None
+
+    def record(self, start: float, dispatched_at: float, dispatched: float, ready: float, end: float) -> None:
+        """A step that began at `start`, began its dispatch at `dispatched_at`, returned from
+        it at `dispatched`, had its tokens on the host at `ready` and ended at `end`
+        (perf_counter seconds)."""
+        gap = None if self._last_ready is None else dispatched_at - self._last_ready
+        self._last_ready = ready
+        times = StepTimes(dispatched_at - start, dispatched - dispatched_at, ready - dispatched, end - ready, gap)
+        self.recent.append(times)
+        self.busy_seconds += ready - dispatched_at
+        self.idle_seconds += gap or 0.0
+
+    def pause(self) -> None:
+        """The engine ran out of work: the time until the next step is not a step's gap."""
+        self._last_ready = None
+
+    def as_dict(self) -> dict:
+        """Medians over the recent steps (milliseconds) and the device's idle fraction since start."""
+        steps = list(self.recent)
+
+        def median_ms(field: str) -> float:
+            values = [getattr(t, field) for t in steps if getattr(t, field) is not None]
+            return 1000 * statistics.median(values) if values else 0.0
+
+        total = self.busy_seconds + self.idle_seconds
+        return {
+            "step_host_before_ms": median_ms("host_before"),
+            "step_dispatch_ms": median_ms("dispatch"),
+            "step_device_wait_ms": median_ms("device_wait"),
+            "step_host_after_ms": median_ms("host_after"),
+            "step_device_idle_gap_ms": median_ms("idle_gap"),
+            "device_idle_fraction": self.idle_seconds / total if total else 0.0,
+        }
