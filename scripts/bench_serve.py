@@ -16,8 +16,10 @@ at that concurrency over the LLM's is the server's cost.
 its first `--mooncake-requests` requests that fit the default model, each 512-token block
 scaled to `--block-tokens` tokens (aiperf makes equal blocks of equal text, so shared
 prefixes stay shared), replayed at `--mooncake-concurrency` with prefix caching on and off;
-reports the hit rate the server counted, and the time to first token of requests that hit
-against those that did not.
+reports the hit rate the server counted, and the time to first token of requests the cache
+served at least half of against those it served less than a tenth of. `--replica K/M` keeps
+the conversations one replica of M serves under prefix-affinity routing (as
+`replay_prefix_trace.py` cuts them).
 
 aiperf runs offline here: it reads the model's tokenizer from a stand-in Hugging Face cache
 this script links into a temporary directory.
@@ -152,9 +154,12 @@ def llm_peer(args, inputs: Path) -> dict:
 def mooncake_cut(args, path: Path, out: Path) -> int:
     """The trace's first requests that fit the default model, blocks scaled to --block-tokens."""
     lines = []
+    k, m = (int(x) for x in args.replica.split("/")) if args.replica else (0, 1)
     for line in path.read_text().splitlines():
         r = json.loads(line)
         ids = r["hash_ids"]
+        if ids[min(1, len(ids) - 1)] % m != k:  # another replica's conversation
+            continue
         output = min(r["output_length"], args.osl)
         if (len(ids) + 1) * args.block_tokens + output > args.mooncake_max_len:
             continue
@@ -201,8 +206,11 @@ def mooncake(args, cache: Path, work: Path) -> dict:
             m = json.loads(line)["metrics"]
             ttft = m.get("time_to_first_token", {}).get("value")
             cached = m.get("usage_prompt_cache_read_tokens", {}).get("value") or 0
-            if ttft is not None:
-                (hits if cached > 0 else misses).append(ttft)
+            share = cached / m["input_sequence_length"]["value"]
+            if ttft is not None and share >= 0.5:
+                hits.append(ttft)
+            elif ttft is not None and share < 0.1:
+                misses.append(ttft)
         results["on" if caching else "off"] = {
             **summary,
             "server_hit_rate": hit / asked if asked else 0.0,
@@ -225,6 +233,7 @@ def main() -> None:
     parser.add_argument("--osl", type=int, default=32, help="output tokens")
     parser.add_argument("--mooncake", help="a Mooncake trace (JSONL) to replay with prefix caching on and off")
     parser.add_argument("--mooncake-requests", type=int, default=200)
+    parser.add_argument("--replica", help="K/M: the conversations replica K of M serves under prefix-affinity routing")
     parser.add_argument("--mooncake-concurrency", type=int, default=4)
     parser.add_argument("--mooncake-max-len", type=int, default=2048, help="the model's max_model_len")
     parser.add_argument("--block-tokens", type=int, default=16, help="tokens per Mooncake block here")
