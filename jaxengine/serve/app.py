@@ -12,7 +12,7 @@ import json
 import re
 from importlib.metadata import version
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxengine.engine.engine_loop import EngineLoop
 from jaxengine.engine.outputs import RequestOutput, StreamOutput
 from jaxengine.engine.sampling_params import SamplingParams
+from jaxengine.engine.sequence import Status
 from jaxengine.serve import responses
 from jaxengine.serve.metrics import ServerMetrics
 from jaxengine.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -35,7 +36,7 @@ from jaxengine.serve.sampling import (
     sampling_params,
 )
 
-DISCONNECT_POLL_S = 0.25  # how often a request waiting for its whole response checks its client
+DISCONNECT_POLL_S = 0.1  # how often a request waiting for its whole response checks its client
 
 
 @dataclasses.dataclass
@@ -86,6 +87,7 @@ class Submission:
         except ValueError as err:
             raise RequestError(str(err), _param_of(str(err))) from None
         self.remaining = sum(len(g) for g in self.groups)
+        self.aborted = False
         self.last_token_time: dict[tuple[int, int], float] = {}
 
     async def events(self):
@@ -114,9 +116,14 @@ class Submission:
         return [self.state.loop.llm.engine.output(group) for group in self.groups]
 
     def abort(self) -> None:
-        """Stops every sample not finished yet and frees what they hold."""
+        """Stops every sample not finished yet and frees what they hold (once)."""
+        if self.aborted:
+            return
+        self.aborted = True
         for group in self.groups:
+            unfinished = sum(s.status is not Status.FINISHED for s in group)
             self.state.loop.abort(group)
+            self.state.metrics.aborted(unfinished)
 
     async def wait(self, request: Request) -> list[RequestOutput]:
         """Every sample to its end, aborting them if the client goes away meanwhile."""
@@ -130,9 +137,7 @@ class Submission:
             while not task.done():
                 await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
                 if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    self.abort()
-                    raise asyncio.CancelledError
+                    raise asyncio.CancelledError  # aborted below
             task.result()
         except BaseException:
             task.cancel()
@@ -165,12 +170,13 @@ def build_app(state: ServerState) -> FastAPI:
     async def _http(request: Request, err: StarletteHTTPException):
         return error_response(err.status_code, str(err.detail))
 
-    @app.middleware("http")
-    async def _authorize(request: Request, call_next):
-        if state.api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization") != f"Bearer {state.api_key}":
-                return error_response(401, "invalid or missing API key (Authorization: Bearer ...)")
-        return await call_next(request)
+    # A dependency of the /v1 routes rather than a middleware: Starlette's HTTP middleware
+    # hides a client's disconnect from the route (`Request.is_disconnected`).
+    async def authorize(request: Request) -> None:
+        if state.api_key is not None and request.headers.get("authorization") != f"Bearer {state.api_key}":
+            raise RequestError("invalid or missing API key (Authorization: Bearer ...)", status=401)
+
+    key = [Depends(authorize)]
 
     def check_model(name: str | None) -> None:
         if name is not None and name != state.model_name:
@@ -186,7 +192,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def get_version():
         return {"version": version("jaxengine")}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=key)
     async def models():
         card = {
             "id": state.model_name,
@@ -225,7 +231,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": _tokenizer(llm).decode(body.tokens)}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=key)
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         check_completion(body)
@@ -250,7 +256,7 @@ def build_app(state: ServerState) -> FastAPI:
             ids=body.return_token_ids,
         )
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=key)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         check_chat(body)

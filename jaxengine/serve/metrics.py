@@ -59,6 +59,11 @@ class ServerMetrics:
         )
         self.registry.register(_EngineCollector(self))
 
+    def aborted(self, samples: int) -> None:
+        """Counts samples aborted because their client went away."""
+        if samples:
+            self.success.labels(self.model_name, "abort").inc(samples)
+
     def finished(self, outputs) -> None:
         """Counts one finished request (all its prompts' samples)."""
         for out in outputs:

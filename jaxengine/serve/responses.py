@@ -63,6 +63,22 @@ def _text(lp: Logprob) -> str:
     return lp.decoded_token or ""
 
 
+def prompt_logprobs(out: RequestOutput) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), token id -> its
+    logprob, rank and text."""
+    if out.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()
+        }
+        for entry in out.prompt_logprobs
+    ]
+
+
 def completion_body(
     request_id: str, model: str, outputs: list[RequestOutput], n: int, *, echo: bool, logprobs: int | None, ids: bool
 ) -> dict:
@@ -77,6 +93,7 @@ def completion_body(
                 "logprobs": completion_logprobs(c.logprobs, c.token_ids, len(prefix), logprobs) if c.logprobs else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                "prompt_logprobs": prompt_logprobs(out),
             }
             if ids:
                 choice |= {"prompt_token_ids": out.prompt_token_ids, "token_ids": c.token_ids}
@@ -113,6 +130,7 @@ def chat_body(request_id: str, model: str, out: RequestOutput, *, logprobs: int 
         "model": model,
         "choices": choices,
         "usage": usage([out]),
+        "prompt_logprobs": prompt_logprobs(out),
     }
     if ids:
         body["prompt_token_ids"] = out.prompt_token_ids

@@ -3,6 +3,7 @@ against an in-process `LLM` of the same settings; concurrency, dropped streams, 
 requests, usage, cached tokens, metrics and SIGTERM."""
 
 import json
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -37,9 +38,12 @@ def http(
 
 
 def metrics(server) -> dict[str, float]:
-    """Every sample of /metrics by name (labels dropped; one model)."""
+    """Every sample of /metrics by name (one model), request counts by name and finish reason."""
     _, text = http(server, "GET", "/metrics")
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    return {
+        s.name + (f"/{s.labels['finished_reason']}" if "finished_reason" in s.labels else ""): s.value for s in samples
+    }
 
 
 def test_completion_equals_llm_generate_streamed_or_not(client, reference):
@@ -118,6 +122,40 @@ def test_logprobs_match_the_llm(client, reference):
     assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)  # greedy picks the top token
 
 
+def test_prompt_logprobs_and_token_ids(server, reference):
+    want = reference.generate([CODE], SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1), use_tqdm=False)[0]
+    body = {"prompt": CODE, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 1, "return_token_ids": True}
+    code, got = http(server, "POST", "/v1/completions", json.dumps(body).encode())
+    choice = got["choices"][0]
+    assert code == 200 and choice["prompt_token_ids"] == want.prompt_token_ids
+    assert choice["token_ids"] == want.outputs[0].token_ids
+    assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == len(want.prompt_token_ids)
+    for entry, token, expected in zip(
+        choice["prompt_logprobs"][1:], want.prompt_token_ids[1:], want.prompt_logprobs[1:]
+    ):
+        assert entry[str(token)]["logprob"] == pytest.approx(expected[token].logprob, abs=1e-5)
+
+
+def test_a_client_that_stops_waiting_aborts_its_request(server):
+    """Not streamed: the server notices the closed connection while the request runs."""
+    aborted = metrics(server).get("vllm:request_success_total/abort", 0)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 450, "n": 16, "ignore_eos": True}).encode()  # seconds
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(head.encode() + body)
+        threading.Event().wait(0.3)  # the request runs; then the client hangs up
+    for _ in range(100):
+        m = metrics(server)
+        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
+            break
+        threading.Event().wait(0.1)
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+    assert m.get("vllm:request_success_total/abort") == aborted + 16  # aborted, not run to its end
+
+
 def test_32_concurrent_streams_each_equal_alone(client, reference):
     prompts = [f"def function_{i}(x):" for i in range(32)]
     alone = reference.generate(prompts, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
@@ -138,6 +176,7 @@ def test_32_concurrent_streams_each_equal_alone(client, reference):
 
 
 def test_a_dropped_stream_frees_its_request(server, client):
+    aborted = metrics(server).get("vllm:request_success_total/abort", 0)
     stream = client.completions.create(
         model="default", prompt=PROMPT, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
@@ -151,6 +190,7 @@ def test_a_dropped_stream_frees_its_request(server, client):
             break
         threading.Event().wait(0.1)
     assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+    assert m["vllm:request_success_total/abort"] == aborted + 1
     assert m["vllm:kv_cache_usage_perc"] == 0  # no page held by a request
     # Still serving.
     assert client.completions.create(model="default", prompt=PROMPT, max_tokens=2).choices[0].text is not None
