@@ -729,6 +729,12 @@ class EngineRun:
     recompiles: int  # step compilations during the timed runs (should be 0)
     decode_outputs: list[list[int]]  # greedy tokens of the first decode run
     prefill_outputs: list[int]  # and the first prefill run's tokens
+    # Where a step's time goes (`step_timeline.py`: host before dispatch, dispatch, device
+    # wait, host after, the device's idle gap; medians, ms) in the timed decode and prefill runs.
+    decode_timeline: dict = dataclasses.field(default_factory=dict)
+    prefill_timeline: dict = dataclasses.field(default_factory=dict)
+    # The device operations that took the most time in a profiled decode run.
+    top_device_ops: list[dict] = dataclasses.field(default_factory=list)
 
 
 def random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -816,12 +822,27 @@ def run_engine(model_dir: Path, kernels: str, spec: EngineSpec, tensor_parallel_
     first_runs_s = time.perf_counter() - start
     compiled = llm.engine.runner.num_compiled_steps()
     walls, step_s, prefill_walls = [], [], []
+    timelines: dict[str, list[dict]] = {"decode": [], "prefill": []}
     for i in range(spec.repeats):
+        llm.engine.timeline.__init__()
         wall, outs = run(decode, spec.decode_batch, spec.decode_prompt_len, SEED + 100 + i)
+        timelines["decode"].append(llm.engine.timeline.as_dict())
         walls.append(wall)
         step_s.append(statistics.mean(o.time_per_output_token for o in outs))
+        llm.engine.timeline.__init__()
         prefill_walls.append(run(prefill, spec.prefill_prompts, spec.prefill_len, SEED + 200 + i)[0])
+        timelines["prefill"].append(llm.engine.timeline.as_dict())
     recompiles = llm.engine.runner.num_compiled_steps() - compiled
+    top_ops = []
+    if kernels != "reference":  # what the device spends a decode step on, from a profiler trace
+        with tempfile.TemporaryDirectory() as trace_dir:
+            jax.profiler.start_trace(trace_dir)
+            try:
+                profiled = SamplingParams(max_tokens=min(8, spec.decode_tokens), temperature=0.0, ignore_eos=True)
+                run(profiled, spec.decode_batch, spec.decode_prompt_len, SEED + 300)
+            finally:
+                jax.profiler.stop_trace()
+            top_ops = top_device_ops(Path(trace_dir))
     med = statistics.median
     return EngineRun(
         kernels=kernels,
@@ -833,7 +854,48 @@ def run_engine(model_dir: Path, kernels: str, spec: EngineSpec, tensor_parallel_
         recompiles=recompiles,
         decode_outputs=[o.outputs[0].token_ids for o in first_decode],
         prefill_outputs=[o.outputs[0].token_ids[0] for o in first_prefill],
+        decode_timeline=median_timeline(timelines["decode"]),
+        prefill_timeline=median_timeline(timelines["prefill"]),
+        top_device_ops=top_ops,
     )
+
+
+def print_where_time_goes(run: EngineRun) -> None:
+    """The step timelines and the top device operations, as soon as a mode has run."""
+    for kind, timeline in (("decode", run.decode_timeline), ("prefill", run.prefill_timeline)):
+        figures = ", ".join(f"{k.removeprefix('step_')} {v:.3f}" for k, v in timeline.items())
+        print(f"    {kind} steps (ms, medians): {figures}", flush=True)
+    for op in run.top_device_ops[:10]:
+        print(f"    {op['share']:6.1%} {op['total_ms']:9.2f} ms {op['calls']:6d} x  {op['name'][:90]}", flush=True)
+
+
+def median_timeline(runs: list[dict]) -> dict:
+    """Each timeline figure's median over the timed runs."""
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]} if runs else {}
+
+
+def top_device_ops(trace_dir: Path, count: int = 15) -> list[dict]:
+    """The operations that took the most time in a JAX profiler trace: on a GPU or TPU the
+    device planes' op events (their "XLA Ops" lines where there are such), on a CPU the XLA
+    threads of the host plane. Each: name, total ms, calls and share of the total."""
+    from jax.profiler import ProfileData
+
+    totals: dict[str, list[float]] = {}
+    for path in trace_dir.rglob("*.xplane.pb"):
+        planes = list(ProfileData.from_file(str(path)).planes)
+        devices = [p for p in planes if p.name.startswith("/device:")]
+        for plane in devices or [p for p in planes if p.name == "/host:CPU"]:
+            lines = list(plane.lines)
+            ops = [line for line in lines if line.name == "XLA Ops"]
+            chosen = ops or ([line for line in lines if "XLA" in line.name] if not devices else lines)
+            for line in chosen:
+                for event in line.events:
+                    entry = totals.setdefault(event.name, [0.0, 0])
+                    entry[0] += event.duration_ns / 1e6
+                    entry[1] += 1
+    whole = sum(ms for ms, _ in totals.values()) or 1.0
+    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:count]
+    return [{"name": name, "total_ms": ms, "calls": calls, "share": ms / whole} for name, (ms, calls) in top]
 
 
 # Speculative decoding's verify steps: ngram drafts (host-side, so the row times the verify
@@ -1108,6 +1170,8 @@ def measured_engine_rows(
         gc.collect()  # frees the model and pools before the next mode
         status = runs[label] if isinstance(runs[label], str) else "done"
         log(deadline, f"engine kernels={kernels}: {status}")
+        if isinstance(runs[label], EngineRun):
+            print_where_time_goes(runs[label])
     rows = engine_report(spec, sizes, runs, roofline)
     # Interpreted, the GPU kernels cannot run on several CPU devices at once (the
     # interpreter's shared memory is not per device): the references run under tp there.

@@ -61,6 +61,13 @@ def test_quick_run_checks_kernels_and_engine(tmp_path, capsys):
     assert decode["auto"]["kernels"] == ("auto" if ON_GPU else "pallas-interpret-gpu")
     assert decode["reference"]["kernels"] == "reference"
     assert decode["auto"]["recompiles"] == 0 and decode["reference"]["recompiles"] == 0
+    for mode in ("auto", "reference"):  # where the steps' time went
+        assert decode[mode]["decode_timeline"]["step_device_wait_ms"] > 0
+        assert 0 <= decode[mode]["decode_timeline"]["device_idle_fraction"] < 1
+        assert decode[mode]["prefill_timeline"]["step_dispatch_ms"] > 0
+    ops = decode["auto"]["top_device_ops"]
+    assert ops and all(op["total_ms"] > 0 and op["calls"] > 0 for op in ops)
+    assert sum(op["share"] for op in ops) <= 1 + 1e-9
     assert rows["engine first tokens auto vs ref"]["status"] == "pass"
     tp = rows["engine tensor parallel"]  # the suite's eight CPU devices: the largest size the heads split over
     assert tp["status"] == "pass" and tp["details"]["tensor_parallel_size"] > 1 and tp["kernel"] > 0, tp
