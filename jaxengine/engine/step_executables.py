@@ -4,15 +4,17 @@ compiled on a background thread while larger shapes serve.
 Any step fits a shape at least as large in every dimension (more padding), so an engine can
 start serving as soon as the largest mixed and decode shapes are ready and let the others
 arrive while it runs (`LLMEngine.warm_up`); a shape some step wanted moves to the front of
-the queue. Loading and XLA's compiler release Python's lock, so a few threads prepare shapes at
-once; the background thread compiles one at a time, stores each, and stops after the one in
-flight when asked — when its engine is closed or dropped, at the latest when the process
-exits — so the next start loads it. A loaded step that fails when run is compiled again
+the queue. Loading and XLA's compiler release Python's lock (tracing holds it, so lowering
+goes one shape at a time), so shapes are prepared on as many threads as the process has
+cores; the background threads (one core left to serving) take the queue in order, store
+each step, and stop after the compiles in flight when asked — when their engine is closed or
+dropped, at the latest when the process exits — so the next start loads the rest. A loaded step that fails when run is compiled again
 (`run`): a file one process left must never break another.
 """
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -28,7 +30,6 @@ from jaxengine.models.batch import StepBatch
 
 logger = logging.getLogger(__name__)
 
-WARM_UP_THREADS = 2  # loads and compiles at once: faster than one thread even on 2 cores
 # tokens, sequences, checkpoint saves, decode, rows sampled per sequence, runs the drafter
 ShapeKey = tuple[int, int, int, bool, int, bool]
 Item = tuple[StepBatch, SamplingBatch, bool]  # an all-padding batch of a shape; decode or not
@@ -69,8 +70,8 @@ class StepExecutables:
         self.compiled_on_demand = 0  # steps that waited for a compile: none after a warm-up
         self.compile_seconds: dict[ShapeKey, float] = {}  # lowering and compiling each compiled shape
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._queue: list[Item] = []  # the background thread's shapes, next first
+        self._threads: list[threading.Thread] = []
+        self._queue: list[Item] = []  # the background threads' shapes, next first
         self._queue_lock = threading.Lock()
         _LIVE.add(self)
 
@@ -136,12 +137,14 @@ class StepExecutables:
         waiting = sorted(set(missing) - set(compile_now))
         if waiting:
             self._queue = [todo[i] for i in waiting]  # in the order given
-            # The thread holds this object only while it compiles: an engine that is dropped
-            # is freed, and its thread stops after the compile in flight.
-            self._thread = threading.Thread(
-                target=_compile_all, args=(weakref.ref(self),), daemon=True, name="jaxengine-compile"
-            )
-            self._thread.start()
+            # A thread holds this object only while it compiles: an engine that is dropped is
+            # freed, and its threads stop after the compiles in flight.
+            self._threads = [
+                threading.Thread(target=_compile_all, args=(weakref.ref(self),), daemon=True, name="jaxengine-compile")
+                for _ in range(min(background_threads(), len(waiting)))
+            ]
+            for thread in self._threads:
+                thread.start()
 
     def _run_all(
         self, items: list[Item], make: Callable[..., jax.stages.Compiled | None], progress: Callable[[], None] | None
@@ -151,7 +154,7 @@ class StepExecutables:
         if not items:
             return []
         none = []
-        with ThreadPoolExecutor(min(WARM_UP_THREADS, len(items))) as pool:
+        with ThreadPoolExecutor(min(compile_threads(), len(items))) as pool:
             futures = {pool.submit(make, *item): i for i, item in enumerate(items)}
             for future in as_completed(futures):
                 i, executable = futures[future], future.result()
@@ -174,21 +177,21 @@ class StepExecutables:
 
     @property
     def compiling(self) -> bool:
-        """Whether the background thread still has shapes to compile."""
-        return self._thread is not None and self._thread.is_alive()
+        """Whether the background threads still have shapes to compile."""
+        return any(thread.is_alive() for thread in self._threads)
 
     def wait(self) -> None:
-        """Returns once the background thread has compiled every shape given to it."""
-        if self._thread is not None:
-            self._thread.join()
+        """Returns once the background threads have compiled every shape given to them (at
+        once on one of them: the garbage collector may close an engine there)."""
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
 
     def stop(self) -> None:
-        """Stops the background thread after the compile in flight (the rest stay uncompiled)
-        and returns once it has stopped (at once on that thread itself: the garbage collector
-        may close an engine there)."""
+        """Stops the background threads after the compiles in flight (the rest stay
+        uncompiled) and returns once they have stopped."""
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self.wait()
+        self.wait()
 
     def close(self) -> None:
         """Stops the background thread and lets go of every executable (those another engine
@@ -227,8 +230,18 @@ class StepExecutables:
         return executable
 
 
+def compile_threads() -> int:
+    """Threads that load and compile steps before serving: one per core this process may use."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def background_threads() -> int:
+    """Threads that compile while the engine serves: every core but the one that serves."""
+    return max(1, compile_threads() - 1)
+
+
 def _compile_all(owner: "weakref.ref[StepExecutables]") -> None:
-    """The background thread: compiles its owner's queue while the owner lives and wants it."""
+    """A background thread: compiles its owner's queue while the owner lives and wants it."""
     while (steps := owner()) is not None and steps._compile_next():
         del steps  # between compiles, only the weak reference holds the owner
 
