@@ -92,7 +92,7 @@ def _typed(cls: type, values: Any, where: str) -> Any:
             raise ConfigError(f"{where}.{key}: expected {hints[key]}, got {value!r} ({type(value).__name__})")
     try:
         return cls(**values)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:  # a nested mapping with an unknown key, too
         raise ConfigError(f"{where}: {err}") from err
 
 

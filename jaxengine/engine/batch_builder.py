@@ -23,6 +23,7 @@ from jaxengine.cache import checkpoint_policy
 from jaxengine.engine.sampler import SamplingBatch
 from jaxengine.engine.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxengine.engine.scheduler import ScheduledStep
+from jaxengine.engine.structured_output import fill_row
 from jaxengine.models.batch import StepBatch
 
 
@@ -254,6 +255,8 @@ class BatchBuilder:
         bias_values = np.zeros((s_size, MAX_LOGIT_BIAS), f32)
         allowed_ids = np.full((s_size, MAX_ALLOWED_TOKEN_IDS), -1, np.int32)
         bad_ids = np.full((s_size, MAX_BAD_WORDS), -1, np.int32)
+        grammar_mask = np.zeros((s_size, -(-self.vocab_size // 32)), np.int32)
+        constrained = np.zeros(s_size, bool)
         width = shape.sample_width
         sample_rows = np.zeros((s_size, width), np.int32)
         num_drafts = np.zeros(s_size, np.int32)
@@ -313,6 +316,9 @@ class BatchBuilder:
                 allowed_ids[i, : len(p.allowed_token_ids)] = p.allowed_token_ids
             bans = bad_word_bans(seq.output_token_ids, seq.bad_word_ids)
             bad_ids[i, : len(bans)] = bans
+            if seq.matcher is not None and seq.num_computed + n >= len(seq.tokens):  # it samples this step
+                fill_row(seq.matcher, grammar_mask, i)
+                constrained[i] = True
 
         nb = self.blocks_per_checkpoint
         restore = np.zeros((s_size, nb), np.int32)
@@ -361,6 +367,8 @@ class BatchBuilder:
             bias_values=bias_values,
             allowed_ids=allowed_ids,
             bad_ids=bad_ids,
+            grammar_mask=grammar_mask,
+            constrained=constrained,
             sample_rows=sample_rows,
             num_drafts=num_drafts,
             next_ids=next_ids,

@@ -21,6 +21,7 @@ from jaxengine.engine.scheduler import Scheduler
 from jaxengine.engine.spec.draft_model import load_draft
 from jaxengine.engine.spec.speculator import Speculator
 from jaxengine.engine.step_store import StepStore
+from jaxengine.engine.structured_output import GrammarCompiler
 from jaxengine.engine.tokenizer import load_tokenizer
 from jaxengine.models.arch import checkpoint_dtype, load_model_config
 from jaxengine.models.config import ModelConfig
@@ -140,6 +141,7 @@ def build_engine(model_dir: Path, config: EngineConfig, parallelism: Parallelism
         config.page_size,
         pool_pages=plan.cache.pool.num_usable if plan.cache.has_kv else None,
         engine_seed=config.seed,
+        grammars=GrammarCompiler(tokenizer, cfg.vocab_size, cfg.eos_token_ids),
     )
     outputs = OutputProcessor(tokenizer, cfg.eos_token_ids)
     log_plan(plan, cfg)  # once built: the line says the engine is ready

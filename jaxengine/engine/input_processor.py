@@ -9,6 +9,7 @@ import numpy as np
 from jaxengine.engine.sampling_params import SamplingParams, is_int
 from jaxengine.engine.sequence import Sequence
 from jaxengine.engine.spec.state import SpecState
+from jaxengine.engine.structured_output import GrammarCompiler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +26,7 @@ class InputProcessor:
     page_size: int
     pool_pages: int | None  # pages the cache pool holds (None: the model has no KV)
     engine_seed: int  # unseeded requests draw from keys derived from it and their request id
+    grammars: GrammarCompiler  # structured outputs' grammars, compiled once each
 
     def validate(self, prompt: str | list[int], params: SamplingParams, where: str) -> list[int]:
         """The prompt's token ids, or a ValueError naming the request and the field."""
@@ -49,6 +51,8 @@ class InputProcessor:
         if params.truncate_prompt_tokens is not None:
             keep = self.max_model_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             ids = ids[-keep:]
+        if params.structured_outputs is not None:
+            self.grammars.matcher(params.structured_outputs, where)  # compiles and checks it (then cached)
         if params.bad_words and self.tokenizer is None:
             raise ValueError(f"{where}: SamplingParams.bad_words needs a tokenizer.json in {self.model_dir}")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -103,7 +107,10 @@ class InputProcessor:
             prompt=prompt,
             sample=sample,
             bad_word_ids=self._bad_word_ids(params),
-            spec=SpecState() if speculates else None,
+            spec=SpecState(allowed=params.structured_outputs is None) if speculates else None,
+            matcher=self.grammars.matcher(params.structured_outputs, f"request {request_id}")
+            if params.structured_outputs is not None
+            else None,
         )
 
     def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:

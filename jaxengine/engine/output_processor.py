@@ -20,7 +20,14 @@ class OutputProcessor:
     def append(self, seq: Sequence, token: int, row_logprobs: tuple | None) -> None:
         """Appends a sampled token and, if asked, its log-probability entries; sets the
         finish reason if it ends the sequence. `row_logprobs`: (chosen logprob, rank,
-        top ids [N], top logprobs [N]) of its sample row."""
+        top ids [N], top logprobs [N]) of its sample row. A sequence that follows a grammar
+        advances its matcher; where the grammar allowed no token at all the drawn one is
+        dropped and the sequence ends (finish reason "abort", the grammar's error as stop
+        reason); where the grammar is complete it ends ("stop")."""
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            seq.finish_reason = "abort"
+            seq.stop_reason = f"structured output: {seq.matcher.get_error() or 'no token allowed'}"
+            return
         seq.tokens.append(token)
         if seq.params.logprobs is not None:
             chosen, rank, top_ids, top_lp = row_logprobs
@@ -28,6 +35,8 @@ class OutputProcessor:
             seq.logprobs.append(self._entries(seq, token, float(chosen), int(rank), top))
             seq.cumulative_logprob += float(chosen)
         self._check_finished(seq, token)
+        if seq.finish_reason is None and seq.matcher is not None and seq.matcher.is_stopped():
+            seq.finish_reason = "stop"
 
     def record_prompt_logprobs(self, scheduled: ScheduledStep, prompt: PromptLogprobs) -> None:
         """Appends the Logprob entries of the prompt tokens this step's chunks predict (the

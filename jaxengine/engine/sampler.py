@@ -36,6 +36,8 @@ class SamplingBatch:
     bias_values: jax.Array  # [S, NB] float32: added to those tokens' logits
     allowed_ids: jax.Array  # [S, NA] int32: allowed_token_ids, -1 padded (none: every token allowed)
     bad_ids: jax.Array  # [S, NW] int32: tokens that would complete a bad word, -1 padded
+    grammar_mask: jax.Array  # [S, ceil(V / 32)] int32: bit t % 32 of word t // 32 set where a grammar allows token t
+    constrained: jax.Array  # [S] bool: the sequence follows a grammar (its grammar_mask row applies)
     sample_rows: jax.Array  # [S, W] int32: flat token index of each sample row (the last W tokens)
     num_drafts: jax.Array  # [S] int32: drafts among them (0: only the last row is used)
     next_ids: jax.Array  # [T] int32: per token, the prompt token after it whose log-probability is asked, or -1
@@ -153,6 +155,14 @@ def _restrict(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     return _ban(logits, sb.bad_ids)
 
 
+def _grammar(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
+    """`logits` [R, V] with the tokens a constrained row's grammar forbids set to -inf."""
+    vocab = jnp.arange(logits.shape[1])
+    words = jnp.take(sb.grammar_mask, vocab // 32, axis=1)  # [R, V]
+    allowed = (jnp.right_shift(words, vocab % 32) & 1) == 1
+    return jnp.where(sb.constrained[:, None] & ~allowed, -jnp.inf, logits)
+
+
 def _filter(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     """Top-k, then top-p, then min-p; removed tokens get -inf. Each threshold is found by
     bisection over the logits' bit patterns (`_order_keys`), not by sorting the vocabulary:
@@ -249,10 +259,12 @@ def sample_tokens(logits: jax.Array, seq_sb: SamplingBatch, num_logprobs: int) -
     rows = row_settings(seq_sb)
     sb = _per_row(seq_sb, rows)
     logits = jnp.asarray(logits, jnp.float32)
+    # A grammar's mask comes first, before log-probabilities too (as vLLM applies it).
+    logits = jax.lax.cond(jnp.any(sb.constrained), _grammar, lambda logits, sb: logits, logits, sb)
     tokens = _choose(logits, sb, rows)
 
     def top(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        logprobs = jax.nn.log_softmax(logits, axis=-1)  # raw: before any setting
+        logprobs = jax.nn.log_softmax(logits, axis=-1)  # raw: before any setting but a grammar
         chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
         rank, values, ids = _top_and_rank(logprobs, chosen, num_logprobs)
         return chosen, values, ids, rank

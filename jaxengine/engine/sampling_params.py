@@ -20,6 +20,44 @@ INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 FLOAT_MAX = float(np.finfo(np.float32).max)  # the step's float32 arrays hold at most this
 
 
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: the output must follow exactly one of a JSON schema (`json`:
+    a dict, its JSON text, or a pydantic model's `model_json_schema()`), a regular expression,
+    one of the strings in `choice`, a Lark grammar (`grammar`), or any JSON object
+    (`json_object=True`). Checked when the request is submitted (`structured_output.py`)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: no whitespace beyond ", " and ": " between items
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+    OPTIONS = ("disable_any_whitespace",)
+
+    @classmethod
+    def from_value(cls, value: Any) -> "StructuredOutputsParams":
+        """From a mapping (YAML, JSON request bodies) or an instance; unknown keys are an error."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"SamplingParams.structured_outputs must be a mapping, got {type(value).__name__}")
+        known = cls.KINDS + cls.OPTIONS
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(
+                f"SamplingParams.structured_outputs: unknown key {unknown[0]!r}; known: {', '.join(known)}"
+            )
+        return cls(**value)
+
+    @property
+    def given(self) -> list[str]:
+        """The kinds set (exactly one is valid)."""
+        return [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+
+
 class RequestOutputKind(enum.IntEnum):
     """vLLM's streaming kinds. `LLM.generate` returns final outputs whatever the kind, and
     `generate_stream` always yields deltas, as vLLM's offline `LLM` does."""
@@ -66,6 +104,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
     allowed_token_ids: list[int] | None = None  # only these may be drawn
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as max_model_len allows)
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -81,6 +120,8 @@ class SamplingParams:
             setattr(self, name, value)
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
 
     def clone(self) -> "SamplingParams":
         """A deep copy (vLLM's name)."""
@@ -171,6 +212,10 @@ class SamplingParams:
                 fail("allowed_token_ids", f"may hold at most {MAX_ALLOWED_TOKEN_IDS} ids")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             number("truncate_prompt_tokens", 1, INT32_MAX, integer=True)
+        if self.structured_outputs is not None:
+            given = self.structured_outputs.given
+            if len(given) != 1:
+                fail("structured_outputs", f"must set exactly one of {', '.join(StructuredOutputsParams.KINDS)}")
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)) or not all(
                 isinstance(w, str) and w.strip() for w in self.bad_words

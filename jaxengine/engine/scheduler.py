@@ -217,7 +217,9 @@ class Scheduler:
         if self.speculates is not None:  # (`seq` is still among the waiting)
             hit_blocks = seq.pages[: match.hit_pages] + (match.checkpoint.blocks if match.checkpoint else [])
             load = min(self.max_num_seqs, len(self.running) + len(self.waiting))
-            seq.spec.speculates = self.speculates(load, self.without_draft_state.isdisjoint(hit_blocks))
+            seq.spec.speculates = seq.spec.allowed and self.speculates(
+                load, self.without_draft_state.isdisjoint(hit_blocks)
+            )
         if match.checkpoint is not None:
             seq.restore = match.checkpoint
             if continues:  # superseded once this sequence checkpoints past it

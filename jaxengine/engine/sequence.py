@@ -67,6 +67,7 @@ class Sequence:
     prompt_logprobs: list[dict[int, Logprob] | None] = dataclasses.field(default_factory=lambda: [None])
     cumulative_logprob: float = 0.0  # of its chosen tokens (kept when logprobs are asked)
     spec: SpecState | None = None  # its speculation, in an engine that speculates
+    matcher: object | None = None  # its grammar's llguidance matcher (structured outputs), at its tokens
 
     @property
     def speculates(self) -> bool:

@@ -43,6 +43,11 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     return_token_ids: bool = False
+    # Structured outputs: OpenAI's response_format ({"type": "json_schema", "json_schema":
+    # {"schema": ...}} or {"type": "json_object"}), or vLLM's structured_outputs
+    # ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -72,7 +77,6 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):

@@ -58,16 +58,43 @@ def sampling_params(
             except ValueError:
                 raise RequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
         values["logit_bias"] = bias
-    params = dataclasses.replace(
-        defaults,
-        **values,
-        n=body.n,
-        max_tokens=max_tokens,
-        stop=body.stop,
-        stop_token_ids=body.stop_token_ids or (),
-        logprobs=logprobs,
-    )
-    return params
+    so = structured_outputs(body)
+    if so is not None:
+        values["structured_outputs"] = so
+    try:
+        return dataclasses.replace(
+            defaults,
+            **values,
+            n=body.n,
+            max_tokens=max_tokens,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids or (),
+            logprobs=logprobs,
+        )
+    except ValueError as err:  # a structured_outputs mapping with an unknown key
+        raise RequestError(str(err), "structured_outputs") from None
+
+
+def structured_outputs(body: SamplingFields) -> dict | None:
+    """The request's grammar, from vLLM's `structured_outputs` or OpenAI's `response_format`."""
+    fmt = body.response_format
+    kind = None if fmt is None else fmt.get("type")
+    if kind not in (None, "text", "json_object", "json_schema"):
+        raise RequestError(
+            f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format"
+        )
+    if body.structured_outputs is not None and kind not in (None, "text"):
+        raise RequestError("give structured_outputs or a response_format, not both", "response_format")
+    if body.structured_outputs is not None:
+        return body.structured_outputs
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise RequestError("response_format.json_schema.schema must be a JSON schema object", "response_format")
+        return {"json": schema}
+    return None
 
 
 def completion_prompts(body: CompletionRequest) -> list[Prompt]:
@@ -93,11 +120,9 @@ def check_completion(body: CompletionRequest) -> None:
 
 
 def check_chat(body: ChatCompletionRequest) -> None:
-    """Refuses what this server does not do: tool-call parsing and structured outputs."""
+    """Refuses what this server does not do: tool-call parsing."""
     if isinstance(body.tool_choice, dict) or body.tool_choice == "required":
         raise RequestError("tool_choice other than 'none' or 'auto' is not supported", "tool_choice")
-    if body.response_format is not None and body.response_format.get("type") not in (None, "text"):
-        raise RequestError("response_format other than 'text' is not supported", "response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
 

@@ -223,6 +223,48 @@ def test_bad_requests_get_their_4xx_and_the_server_goes_on(server, client, path,
     assert client.completions.create(model="default", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 
+def test_structured_outputs(client):
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    chat = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "a record"}],
+        max_tokens=80,
+        seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "record", "schema": schema}},
+    )
+    if chat.choices[0].finish_reason == "stop":
+        record = json.loads(chat.choices[0].message.content)
+        assert set(record) == {"name", "n"} and isinstance(record["n"], int)
+    else:
+        assert chat.choices[0].finish_reason == "length"
+    picked = client.completions.create(
+        model="default", prompt=PROMPT, max_tokens=8, extra_body={"structured_outputs": {"choice": ["left", "right"]}}
+    )
+    assert picked.choices[0].text in ("left", "right") and picked.choices[0].finish_reason == "stop"
+    obj = client.completions.create(
+        model="default",
+        prompt=PROMPT,
+        max_tokens=60,
+        seed=3,
+        extra_body={"response_format": {"type": "json_object"}},
+        stream=True,
+    )
+    text = "".join(c.choices[0].text for c in obj if c.choices)
+    assert text.lstrip().startswith("{")
+    with pytest.raises(openai.BadRequestError, match="structured_outputs"):
+        client.completions.create(model="default", prompt=PROMPT, extra_body={"structured_outputs": {"regex": "[a-"}})
+    with pytest.raises(openai.BadRequestError, match="structured_outputs"):
+        client.completions.create(model="default", prompt=PROMPT, extra_body={"structured_outputs": {"regexp": "a"}})
+
+
 def test_api_key_required(server):
     code, answer = http(server, "POST", "/v1/completions", json.dumps({"prompt": "x"}).encode(), key=None)
     assert code == 401 and answer["error"]["code"] == 401

@@ -13,6 +13,7 @@ class SpecState:
     verifies, budget permitting), and ngram's index over its tokens."""
 
     speculates: bool = False
+    allowed: bool = True  # False: the request may never speculate (it follows a grammar)
     drafts: list[int] = dataclasses.field(default_factory=list)
     offered: list[int] = dataclasses.field(default_factory=list)
     ngram: NgramIndex | None = None
