@@ -43,6 +43,8 @@ def _batch(n: int, **overrides) -> SamplingBatch:
         bias_values=np.zeros((n, 3), np.float32),
         allowed_ids=np.full((n, 3), -1, np.int32),
         bad_ids=np.full((n, 2), -1, np.int32),
+        grammar_mask=np.zeros((n, 1), np.int32),  # VOCAB = 8 tokens: one 32-bit word
+        constrained=np.zeros(n, bool),
         sample_rows=np.arange(n, dtype=np.int32)[:, None],
         num_drafts=np.zeros(n, np.int32),
         next_ids=np.full(n, -1, np.int32),
@@ -53,6 +55,20 @@ def _batch(n: int, **overrides) -> SamplingBatch:
     for key, value in overrides.items():
         fields[key] = np.asarray(value, dtype=fields[key].dtype)
     return SamplingBatch(**fields)
+
+
+def test_a_grammar_mask_keeps_only_its_tokens_and_its_rows():
+    logits = np.random.default_rng(1).normal(size=(3, VOCAB)).astype(np.float32)
+    mask = [[(1 << 2) | (1 << 5)], [(1 << 2) | (1 << 5)], [1 << 7]]  # tokens {2, 5}, {2, 5}, {7}
+    sb = _batch(3, grammar_mask=mask, constrained=[True, False, True])
+    out = sample_tokens(logits, sb, num_logprobs=2)
+    tokens = np.asarray(out.tokens)
+    assert tokens[0] == [2, 5][int(np.argmax(logits[0, [2, 5]]))]
+    assert tokens[1] == int(np.argmax(logits[1]))  # not constrained: its mask row is ignored
+    assert tokens[2] == 7
+    allowed = logits[0, [2, 5]]
+    want = logits[0, tokens[0]] - np.log(np.sum(np.exp(allowed)))
+    assert float(np.asarray(out.logprob)[0]) == pytest.approx(want, abs=1e-5)  # of the masked distribution
 
 
 LOGITS = np.log(np.array([[0.05, 0.4, 0.3, 0.1, 0.05, 0.04, 0.03, 0.03]], np.float32))

@@ -183,3 +183,50 @@ def test_bad_grammars_are_refused_by_field_before_queueing(llm, so, field):
     with pytest.raises(ValueError, match=re.escape(field)):
         llm.generate(["ok", PROMPT], [SamplingParams(), SamplingParams(structured_outputs=so)], use_tqdm=False)
     assert not llm.engine.has_unfinished
+
+
+def test_stop_strings_and_samples_with_a_grammar(llm):
+    params = SamplingParams(
+        n=6,
+        max_tokens=16,
+        temperature=1.0,
+        seed=5,
+        stop=[" beta"],
+        structured_outputs={"choice": ["alpha beta", "gamma"]},
+    )
+    outs = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs
+    assert len(outs) == 6
+    assert all(c.text in ("alpha", "gamma") and c.finish_reason == "stop" for c in outs), [c.text for c in outs]
+
+
+def test_yaml_requests_take_structured_outputs(tmp_path):
+    from jaxengine.run_config import ConfigError, load_requests, load_run_config
+
+    lines = [
+        {"prompt": "a", "structured_outputs": {"regex": "[0-9]+"}},
+        {"prompt": "b"},
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(
+        f"model: default\nsampling: {{structured_outputs: {{choice: [x, y]}}}}\n"
+        f"input: {tmp_path / 'in.jsonl'}\noutput: {tmp_path / 'out.jsonl'}\nmetrics: {tmp_path / 'm.json'}\n"
+    )
+    requests = load_requests(load_run_config(cfg_path))
+    assert requests[0].params.structured_outputs == StructuredOutputsParams(regex="[0-9]+")
+    assert requests[1].params.structured_outputs == StructuredOutputsParams(choice=["x", "y"])
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "a", "structured_outputs": {"regexp": "1"}}) + "\n")
+    with pytest.raises(ConfigError, match=r"in\.jsonl:1.*regexp"):
+        load_requests(load_run_config(cfg_path))
+
+
+def test_a_speculating_engine_serves_grammars_without_speculating_them():
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    with LLM(
+        DEFAULT_MODEL, warm_up=False, max_model_len=256, speculative_config=spec, compilation_cache_dir=None
+    ) as llm:
+        params = SamplingParams(n=3, max_tokens=24, temperature=1.0, seed=2, structured_outputs={"regex": "[a-z]{4,8}"})
+        for c in llm.generate([PROMPT], params, use_tqdm=False)[0].outputs:
+            assert c.finish_reason == "stop" and re.fullmatch("[a-z]{4,8}", c.text)
+        stats = llm.stats()
+        assert stats["spec_requests_speculating"] == 0 and stats["spec_verifies"] == 0
