@@ -22,7 +22,7 @@ PROMPT = "def parse(text):\n    "  # a Python model: it writes code, never JSON 
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(DEFAULT_MODEL, max_model_len=512, background_compile=False, compilation_cache_dir=None) as llm:
+    with LLM(DEFAULT_MODEL, max_model_len=512, warm_up=False, compilation_cache_dir=None) as llm:
         yield llm
 
 
@@ -92,6 +92,18 @@ FIELD = st.sampled_from(
         {"enum": ["red", "green", 7]},
         {"type": "string", "pattern": "^[a-z]{1,4}$"},
         {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+        {"type": "number", "minimum": -10, "maximum": 10},
+        {
+            "type": "object",
+            "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}, "y": {"enum": ["p", "q"]}},
+            "required": ["x", "y"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "array",
+            "items": {"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]},
+            "maxItems": 2,
+        },
     ]
 )
 
@@ -161,9 +173,13 @@ def test_draws_follow_the_masked_distribution(llm):
 
 
 def test_no_step_compiles_for_grammars(llm):
+    """The same batch without and then with grammars: the second compiles nothing."""
+    plain = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=0, ignore_eos=True)
+    llm.generate([PROMPT, "x = "], plain, use_tqdm=False)
     before = llm.engine.runner.num_compiled_steps()
-    run(llm, StructuredOutputsParams(choice=["a", "b"]), n=3)
-    llm.generate([PROMPT, "x = "], SamplingParams(max_tokens=4), use_tqdm=False)
+    constrained = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=0, structured_outputs={"regex": "[a-z]{40}"})
+    for c in llm.generate([PROMPT, "x = "], constrained, use_tqdm=False)[0].outputs:
+        assert re.fullmatch("[a-z]+", c.text)
     assert llm.engine.runner.num_compiled_steps() == before
 
 
@@ -230,3 +246,37 @@ def test_a_speculating_engine_serves_grammars_without_speculating_them():
             assert c.finish_reason == "stop" and re.fullmatch("[a-z]{4,8}", c.text)
         stats = llm.stats()
         assert stats["spec_requests_speculating"] == 0 and stats["spec_verifies"] == 0
+
+
+def test_grammars_under_preemption_and_without_prefix_caching(llm):
+    """A pool too small for the batch preempts and recomputes sequences: their matchers go on
+    from the outputs they keep, and the tokens are those of an engine that never preempts."""
+    params = SamplingParams(
+        n=8, max_tokens=80, temperature=1.0, seed=9, structured_outputs={"regex": "[a-z ]{150,200}"}
+    )
+    want = [c.token_ids for c in llm.generate([PROMPT], params, use_tqdm=False)[0].outputs]
+    tight = dict(num_cache_blocks=14, enable_prefix_caching=False, max_model_len=256, compilation_cache_dir=None)
+    with LLM(DEFAULT_MODEL, warm_up=False, **tight) as small:
+        outs = small.generate([PROMPT], params, use_tqdm=False)[0].outputs
+        assert small.stats()["preemptions"] > 0
+    assert [c.token_ids for c in outs] == want
+    assert all(re.fullmatch("[a-z ]{150,200}", c.text) for c in outs if c.finish_reason == "stop")
+
+
+class _Refusing:
+    """A matcher whose grammar takes no token."""
+
+    def consume_token(self, token: int) -> bool:
+        return False
+
+    def get_error(self) -> str:
+        return "no token allowed here"
+
+
+def test_a_grammar_that_takes_no_token_ends_the_sample(llm):
+    from jaxengine.engine.sequence import Sequence
+
+    seq = Sequence("r", 0, [1, 2, 3], 3, SamplingParams(max_tokens=8), 0, matcher=_Refusing())
+    llm.engine.outputs.append(seq, 7, None)
+    assert seq.output_token_ids == [] and seq.finish_reason == "abort"
+    assert "no token allowed here" in seq.stop_reason
