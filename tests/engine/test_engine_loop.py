@@ -11,8 +11,8 @@ from jaxengine import LLM, SamplingParams
 from jaxengine.engine.engine_loop import EngineLoop
 from jaxengine.run_config import DEFAULT_MODEL
 
-PROMPTS = [f"def function_{i}(x):" for i in range(6)]
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = [f"def function_{i}(x):" for i in range(4)]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")

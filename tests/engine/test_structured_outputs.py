@@ -236,6 +236,7 @@ def test_yaml_requests_take_structured_outputs(tmp_path):
         load_requests(load_run_config(cfg_path))
 
 
+@pytest.mark.slow
 def test_a_speculating_engine_serves_grammars_without_speculating_them():
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
     with LLM(
@@ -248,6 +249,7 @@ def test_a_speculating_engine_serves_grammars_without_speculating_them():
         assert stats["spec_requests_speculating"] == 0 and stats["spec_verifies"] == 0
 
 
+@pytest.mark.slow
 def test_grammars_under_preemption_and_without_prefix_caching(llm):
     """A pool too small for the batch preempts and recomputes sequences: their matchers go on
     from the outputs they keep, and the tokens are those of an engine that never preempts."""
