@@ -90,7 +90,12 @@ class EngineLoop:
     def load(self) -> tuple[int, int]:
         """(running, waiting) samples in the engine, whoever submitted them."""
         with self.llm._lock:
-            seqs = list(self.llm.engine.requests.values())
+            while True:
+                try:  # a request submitted meanwhile (without the lock) may change the mapping
+                    seqs = list(self.llm.engine.requests.values())
+                    break
+                except RuntimeError:
+                    continue
             queued = len(self.llm._inbox)
         running = sum(s.status in (Status.RUNNING, Status.COMPLETING) for s in seqs)
         return running, queued + sum(s.status is Status.WAITING for s in seqs)
