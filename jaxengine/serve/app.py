@@ -241,7 +241,10 @@ def build_app(state: ServerState) -> FastAPI:
             max_tokens=16 if body.max_tokens is None else body.max_tokens,
             logprobs=body.logprobs,
         )
-        submission = Submission(state, completion_prompts(body), params, body.cache_salt)
+        prompts = completion_prompts(body)
+        if body.echo and llm.tokenizer is not None:  # token-id prompts echo their text
+            prompts = [p if p.text is not None else Prompt(p.value, _decoded(llm, p.value)) for p in prompts]
+        submission = Submission(state, prompts, params, body.cache_salt)
         request_id = responses.new_id("cmpl")
         if body.stream:
             return EventSourceResponse(_stream_completion(state, submission, request_id, body), sep="\n")
@@ -274,6 +277,14 @@ def build_app(state: ServerState) -> FastAPI:
         return responses.chat_body(request_id, state.model_name, output, logprobs=logprobs, ids=body.return_token_ids)
 
     return app
+
+
+def _decoded(llm, ids: list[int]) -> str | None:
+    """Token ids' text (None for ids the tokenizer cannot decode: validation names them)."""
+    try:
+        return llm.tokenizer.decode(ids, skip_special_tokens=True)
+    except Exception:
+        return None
 
 
 def _tokenizer(llm, chat: bool = False):

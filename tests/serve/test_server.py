@@ -156,6 +156,13 @@ def test_a_client_that_stops_waiting_aborts_its_request(server):
     assert m.get("vllm:request_success_total/abort") == aborted + 16  # aborted, not run to its end
 
 
+def test_echo_prepends_the_prompt_given_as_text_or_ids(client, reference):
+    ids = reference.get_tokenizer().encode(PROMPT)  # with its BOS, which the echo leaves out
+    for prompt in (PROMPT, ids):
+        got = client.completions.create(model="default", prompt=prompt, max_tokens=4, temperature=0, echo=True)
+        assert got.choices[0].text.startswith(PROMPT) and len(got.choices[0].text) > len(PROMPT)
+
+
 def test_32_concurrent_streams_each_equal_alone(client, reference):
     prompts = [f"def function_{i}(x):" for i in range(32)]
     alone = reference.generate(prompts, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
