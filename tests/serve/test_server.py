@@ -146,7 +146,10 @@ def test_a_client_that_stops_waiting_aborts_its_request(server):
     )
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(head.encode() + body)
-        threading.Event().wait(0.3)  # the request runs; then the client hangs up
+        for _ in range(600):  # until the request runs; then the client hangs up
+            if metrics(server)["vllm:num_requests_running"] > 0:
+                break
+            threading.Event().wait(0.05)
     for _ in range(100):
         m = metrics(server)
         if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
