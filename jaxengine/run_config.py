@@ -96,11 +96,8 @@ def _typed(cls: type, values: Any, where: str) -> Any:
         raise ConfigError(f"{where}: {err}") from err
 
 
-def load_run_config(path: str | Path, engine_overrides: dict | None = None) -> RunConfig:
-    """Reads and validates a run config; every problem is a ConfigError naming the key.
-    `engine_overrides`: engine keys given on the command line (a host's node_rank), over the
-    file's. A process other than 0 of several reads no input (process 0 takes the requests)."""
-    path = Path(path)
+def _read_mapping(path: Path) -> dict:
+    """A YAML config file's top-level mapping; a ConfigError naming the file otherwise."""
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
@@ -109,6 +106,15 @@ def load_run_config(path: str | Path, engine_overrides: dict | None = None) -> R
         raise ConfigError(f"{path}: not valid YAML: {err}") from err
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the config must be a mapping of keys")
+    return raw
+
+
+def load_run_config(path: str | Path, engine_overrides: dict | None = None) -> RunConfig:
+    """Reads and validates a run config; every problem is a ConfigError naming the key.
+    `engine_overrides`: engine keys given on the command line (a host's node_rank), over the
+    file's. A process other than 0 of several reads no input (process 0 takes the requests)."""
+    path = Path(path)
+    raw = _read_mapping(path)
     known = ("model", "engine", "sampling", "input", "output", "metrics", "progress")
     for key in raw:
         if key not in known:
@@ -153,14 +159,7 @@ def load_engine_section(path: str | Path) -> tuple[str | None, dict]:
     """A config's `model` and `engine:` section alone (what `jaxengine serve --config` reads);
     the engine keys are checked by name here and by value when the engine is built."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from err
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the config must be a mapping of keys")
+    raw = _read_mapping(path)
     model, engine = raw.get("model"), raw.get("engine") or {}
     if model is not None and not isinstance(model, str):
         raise ConfigError(f"{path}: model must be a string path, got {model!r}")

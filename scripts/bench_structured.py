@@ -71,7 +71,7 @@ def main() -> None:
     for round_ in range(args.repeats + 1):  # round 0: every grammar and shape once, untimed
         for name, so in GRAMMARS.items():
             params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=round_, structured_outputs=so)
-            llm.engine.timeline.__init__()
+            llm.engine.timeline.reset()
             timer.seconds = 0.0
             steps = llm.engine.runner.steps
             start = time.perf_counter()

@@ -824,12 +824,12 @@ def run_engine(model_dir: Path, kernels: str, spec: EngineSpec, tensor_parallel_
     walls, step_s, prefill_walls = [], [], []
     timelines: dict[str, list[dict]] = {"decode": [], "prefill": []}
     for i in range(spec.repeats):
-        llm.engine.timeline.__init__()
+        llm.engine.timeline.reset()
         wall, outs = run(decode, spec.decode_batch, spec.decode_prompt_len, SEED + 100 + i)
         timelines["decode"].append(llm.engine.timeline.as_dict())
         walls.append(wall)
         step_s.append(statistics.mean(o.time_per_output_token for o in outs))
-        llm.engine.timeline.__init__()
+        llm.engine.timeline.reset()
         prefill_walls.append(run(prefill, spec.prefill_prompts, spec.prefill_len, SEED + 200 + i)[0])
         timelines["prefill"].append(llm.engine.timeline.as_dict())
     recompiles = llm.engine.runner.num_compiled_steps() - compiled

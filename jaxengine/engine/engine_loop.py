@@ -37,7 +37,6 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="jaxengine-engine-loop", daemon=True)
-        self.steps = 0
 
     def start(self) -> "EngineLoop":
         self._thread.start()
@@ -112,8 +111,7 @@ class EngineLoop:
             self._wake.clear()  # before looking for work: a submit after this wakes the next wait
             while self.llm.has_work and not self._stopping:
                 try:
-                    if self.llm.step_once(after=self._deliver):
-                        self.steps += 1
+                    self.llm.step_once(after=self._deliver)
                 except Exception as err:  # the engine is consistent again (LLMEngine.step)
                     logger.exception("engine step failed; aborting the requests in flight")
                     self._fail_all(err)

@@ -52,7 +52,7 @@ class InputProcessor:
             keep = self.max_model_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             ids = ids[-keep:]
         if params.structured_outputs is not None:
-            self.grammars.matcher(params.structured_outputs, where)  # compiles and checks it (then cached)
+            self.grammars.compiled(params.structured_outputs, where)  # checked now, cached for its samples
         if params.bad_words and self.tokenizer is None:
             raise ValueError(f"{where}: SamplingParams.bad_words needs a tokenizer.json in {self.model_dir}")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

@@ -171,30 +171,26 @@ class LLM:
         while not done():
             self.step_once(done)
 
-    def step_once(self, done=None, after=None) -> bool:
+    def step_once(self, done=None, after=None) -> None:
         """Takes in the requests submitted since the last step, then runs one engine step for
         every caller's requests, unless `done()` holds by then (without `done`: unless nothing
-        is unfinished);
-        `after()` runs once the step is done, still under the lock (to read its results).
-        Returns whether a step ran."""
+        is unfinished); `after()` runs once the step is done, still under the lock (to read
+        its results)."""
         with self._lock, deferred_interrupts():
             while self._inbox:
                 self.engine.enqueue(self._inbox.popleft())
             while self._dropped:
                 self._abort(self._dropped.popleft())
-            stepped = False
             if (not done()) if done is not None else self.engine.has_unfinished:
                 self._stepping = True
                 try:
                     self.engine.step()
-                    stepped = True
                 finally:
                     self._stepping = False
             if after is not None:
                 after()
         if self._lock.contended:
             time.sleep(0)  # let a caller waiting for the lock in
-        return stepped
 
     @property
     def has_work(self) -> bool:

@@ -29,6 +29,10 @@ class StepTimeline:
     """Step times of an engine (`record` per step; `as_dict` for stats)."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every step so far (a benchmark's measured run starts here)."""
         self.recent: collections.deque[StepTimes] = collections.deque(maxlen=WINDOW)
         self.busy_seconds = 0.0  # device: dispatch and wait, summed
         self.idle_seconds = 0.0  # device idle between steps, summed

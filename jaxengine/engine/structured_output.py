@@ -72,8 +72,13 @@ class GrammarCompiler:
         return self._tokenizer
 
     def matcher(self, so: StructuredOutputsParams, where: str) -> llguidance.LLMatcher:
-        """A fresh matcher for one sample; a ValueError naming the request and the field if
-        the schema, regex or grammar is not valid."""
+        """A fresh matcher for one sample (a copy of the compiled grammar's)."""
+        return self.compiled(so, where).deep_copy()
+
+    def compiled(self, so: StructuredOutputsParams, where: str) -> llguidance.LLMatcher:
+        """The request's grammar compiled (once per text; the copies start from it); a
+        ValueError naming the request and the field if the schema, regex or grammar is not
+        valid."""
         if self._hf_tokenizer is None:
             raise ValueError(f"{where}: SamplingParams.structured_outputs needs the model's tokenizer.json")
         text = grammar_text(so, where)
@@ -93,11 +98,7 @@ class GrammarCompiler:
             if len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(text)
-        return compiled.deep_copy()
-
-    def bitmask(self, num_seqs: int) -> np.ndarray:
-        """An all-zero bitmask of a step: [num_seqs, ceil(vocab / 32)] int32."""
-        return np.zeros((num_seqs, -(-self.vocab_size // 32)), np.int32)
+        return compiled
 
 
 def fill_row(matcher: llguidance.LLMatcher, bitmask: np.ndarray, row: int) -> None:
