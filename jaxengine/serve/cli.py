@@ -12,13 +12,15 @@ import signal
 import types
 import typing
 
+from jaxengine.engine import vllm_args
 from jaxengine.engine.engine_config import EngineConfig
 from jaxengine.run_config import DEFAULT_MODEL, ConfigError, load_engine_section
 
 logger = logging.getLogger("jaxengine")
 
-# vLLM's engine flags that jaxengine takes under other names or ignores (`vllm_args.py`).
-VLLM_FLAGS = {
+# The value type of each of vLLM's engine arguments that jaxengine takes under other names or
+# ignores (`vllm_args.known_names()`, the list of them).
+VLLM_FLAG_TYPES = {
     "block_size": int,
     "enforce_eager": bool,
     "trust_remote_code": bool,
@@ -89,7 +91,8 @@ def add_parser(sub) -> None:
         kind, is_bool = _flag_type(hints[field.name])
         _add_engine_flag(engine, field.name, kind, is_bool)
     vllm = p.add_argument_group("vLLM's engine flags (translated or without effect here)")
-    for name, kind in VLLM_FLAGS.items():
+    for name in vllm_args.known_names():
+        kind = VLLM_FLAG_TYPES[name]
         _add_engine_flag(vllm, name, kind, kind is bool)
     p.set_defaults(func=serve)
 
