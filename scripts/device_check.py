@@ -726,6 +726,7 @@ class EngineRun:
     decode_tokens_per_s: float  # batch / mean time per output token
     output_tokens_per_s: float  # batch * max_tokens / generate wall time (prefill included)
     prefill_tokens_per_s: float  # prompt tokens / generate wall time (one output token each)
+    sync_output_tokens_per_s: float  # output_tokens_per_s of the same decode runs, async scheduling off
     recompiles: int  # step compilations during the timed runs (should be 0)
     decode_outputs: list[list[int]]  # greedy tokens of the first decode run
     prefill_outputs: list[int]  # and the first prefill run's tokens
@@ -832,6 +833,13 @@ def run_engine(model_dir: Path, kernels: str, spec: EngineSpec, tensor_parallel_
         llm.engine.timeline.reset()
         prefill_walls.append(run(prefill, spec.prefill_prompts, spec.prefill_len, SEED + 200 + i)[0])
         timelines["prefill"].append(llm.engine.timeline.as_dict())
+    # The same decode runs with the synchronous loop: what overlapping host and device buys.
+    engine = llm.engine
+    engine.config = dataclasses.replace(engine.config, async_scheduling=False)
+    sync_walls = [
+        run(decode, spec.decode_batch, spec.decode_prompt_len, SEED + 400 + i)[0] for i in range(spec.repeats)
+    ]
+    engine.config = dataclasses.replace(engine.config, async_scheduling=True)
     recompiles = llm.engine.runner.num_compiled_steps() - compiled
     top_ops = []
     if kernels != "reference":  # what the device spends a decode step on, from a profiler trace
@@ -851,6 +859,7 @@ def run_engine(model_dir: Path, kernels: str, spec: EngineSpec, tensor_parallel_
         decode_tokens_per_s=spec.decode_batch / med(step_s),
         output_tokens_per_s=spec.decode_batch * spec.decode_tokens / med(walls),
         prefill_tokens_per_s=spec.prefill_prompts * spec.prefill_len / med(prefill_walls),
+        sync_output_tokens_per_s=spec.decode_batch * spec.decode_tokens / med(sync_walls),
         recompiles=recompiles,
         decode_outputs=[o.outputs[0].token_ids for o in first_decode],
         prefill_outputs=[o.outputs[0].token_ids[0] for o in first_prefill],
@@ -1102,6 +1111,17 @@ def engine_report(
                 rows[0].note = f"{rows[0].note}; {label} recompiled during timing".lstrip("; ")
     loads = [f"{run.load_s:.1f}" for run in (auto, ref) if run]
     rows[-1].note = f"load {' / '.join(loads)} s" if loads else note
+    rows.append(
+        Row(
+            "engine",
+            f"engine output b{spec.decode_batch}, async vs synchronous loop",
+            status,
+            kernel=getattr(auto, "output_tokens_per_s", None),
+            reference=getattr(auto, "sync_output_tokens_per_s", None),
+            unit="tok/s",
+            note="kernels auto; reference column: async_scheduling off" if auto else "",
+        )
+    )
     if auto and ref:
         rows.append(first_token_row(auto, ref))
     else:

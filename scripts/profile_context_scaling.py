@@ -77,12 +77,16 @@ def sampler_case(max_len: int, context: int, penalties: bool):
         bias_values=np.zeros((SEQS, 1), np.float32),
         allowed_ids=np.full((SEQS, 1), -1, np.int32),
         bad_ids=np.full((SEQS, 1), -1, np.int32),
+        grammar_mask=np.zeros((SEQS, -(-VOCAB // 32)), np.int32),
+        constrained=np.zeros(SEQS, bool),
         sample_rows=np.arange(SEQS, dtype=np.int32)[:, None],
         num_drafts=np.zeros(SEQS, np.int32),
         next_ids=np.full(SEQS, -1, np.int32),
         following_ids=np.full(SEQS, -1, np.int32),
         wants_drafts=np.zeros(SEQS, bool),
         speculates=np.zeros(SEQS, bool),
+        feed_rows=np.full(SEQS, -1, np.int32),
+        history_feed=np.full(SEQS, -1, np.int32),
     )
     logits = jnp.asarray(rng.standard_normal((SEQS, VOCAB)), jnp.float32)
     return jax.jit(functools.partial(sample_tokens, num_logprobs=20)), (logits, sb)

@@ -5,6 +5,7 @@ whole prefix. A request's `cache_salt` seeds the chain: requests with different 
 nothing. Python's `hash` is salted per process, so SHA-256 is used instead.
 """
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -13,6 +14,7 @@ import numpy as np
 HASH_BYTES = 16
 
 
+@functools.lru_cache(maxsize=1024)
 def root_hash(cache_salt: str | None) -> bytes:
     """The chain's starting value for a cache namespace."""
     return hashlib.sha256(b"jaxengine-prefix/" + (cache_salt or "").encode()).digest()[:HASH_BYTES]

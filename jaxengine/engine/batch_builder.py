@@ -227,6 +227,8 @@ class BatchBuilder:
         next_ids = np.full(t_size, -1, np.int32)
         drafter = shape.runs_drafter
         following_ids = np.full(t_size if drafter else 0, -1, np.int32)
+        feed_rows = np.full(t_size, -1, np.int32)
+        history_feed = np.full(s_size, -1, np.int32)
         cu = np.full(s_size + 1, step.total_tokens, np.int32)
         kv_lens = np.zeros(s_size, np.int32)
         page_table = np.zeros((s_size, self.pages_per_seq), np.int32)
@@ -269,7 +271,12 @@ class BatchBuilder:
             start = seq.num_computed
             drafts = step.drafts_of(i)
             tokens = seq.tokens + drafts  # a verify step's tokens are its pending token and its drafts
-            ids[offset : offset + n] = tokens[start : start + n]
+            known = tokens[start : start + n]
+            ids[offset : offset + len(known)] = known
+            if seq.num_unfilled:  # its last token: sampled by the step before, not read yet
+                if seq.num_unfilled > 1 or drafts or len(known) != n - 1:
+                    raise RuntimeError(f"sequence {seq.request_id}: tokens not read would be needed")
+                feed_rows[offset + n - 1] = history_feed[i] = seq.feed_row
             if seq.params.prompt_logprobs is not None:  # each prompt token's log-probability, from the one before
                 asked = range(start, min(start + n, seq.num_prompt_tokens - 1))
                 next_ids[offset : offset + len(asked)] = tokens[start + 1 : start + 1 + len(asked)]
@@ -297,16 +304,16 @@ class BatchBuilder:
             frequency[i] = p.frequency_penalty
             repetition[i] = p.repetition_penalty
             seeds[i] = seq.seed
-            steps[i] = seq.num_output_tokens
+            steps[i] = seq.num_tokens - seq.num_prompt_tokens
             history[i, : len(tokens)] = tokens
-            history_lens[i] = len(seq.tokens)
+            history_lens[i] = seq.num_tokens
             prompt_lens[i] = seq.num_prompt_tokens
             min_tokens[i] = p.min_tokens
             wants_logprobs[i] = p.logprobs is not None
             if drafter:
                 wants_drafts[i] = drafting and seq.speculates and not seq.bad_word_ids
                 speculates[i] = seq.speculates
-            if seq.num_output_tokens < p.min_tokens:
+            if seq.num_tokens - seq.num_prompt_tokens < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 banned[i, : len(stops)] = stops[:MAX_STOP_TOKEN_IDS]
             if p.logit_bias:
@@ -314,8 +321,9 @@ class BatchBuilder:
                 bias_values[i, : len(p.logit_bias)] = np.clip(list(p.logit_bias.values()), -100, 100)
             if p.allowed_token_ids:
                 allowed_ids[i, : len(p.allowed_token_ids)] = p.allowed_token_ids
-            bans = bad_word_bans(seq.output_token_ids, seq.bad_word_ids)
-            bad_ids[i, : len(bans)] = bans
+            if seq.bad_word_ids:
+                bans = bad_word_bans(seq.output_token_ids, seq.bad_word_ids)
+                bad_ids[i, : len(bans)] = bans
             if seq.matcher is not None and seq.num_computed + n >= len(seq.tokens):  # it samples this step
                 fill_row(seq.matcher, grammar_mask, i)
                 constrained[i] = True
@@ -375,5 +383,7 @@ class BatchBuilder:
             following_ids=following_ids,
             wants_drafts=wants_drafts,
             speculates=speculates,
+            feed_rows=feed_rows,
+            history_feed=history_feed,
         )
         return batch, sampling

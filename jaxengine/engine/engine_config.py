@@ -71,6 +71,9 @@ class EngineConfig:
     # With warm_up: compile only the largest mixed and decode shapes before serving and the
     # others on a background thread (steps use a larger ready shape meanwhile); False: all first.
     background_compile: bool = True
+    # vLLM's async scheduling: the host schedules and builds each step while the one before
+    # runs, and reads that one's tokens after dispatching the next (`llm_engine.py`).
+    async_scheduling: bool = True
     seed: int = 0
     # vLLM's speculative decoding settings, e.g. {"method": "ngram", "num_speculative_tokens": 3}
     # (`speculative.py`); None: no speculation.
@@ -99,7 +102,13 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"engine argument {name} must be a positive integer, got {value!r}")
 
-        for name in ("enable_prefix_caching", "warm_up", "background_compile", "enable_expert_parallel"):
+        for name in (
+            "enable_prefix_caching",
+            "warm_up",
+            "background_compile",
+            "enable_expert_parallel",
+            "async_scheduling",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"engine argument {name} must be true or false, got {getattr(self, name)!r}")
         for name in (

@@ -109,12 +109,17 @@ class EngineLoop:
         while not self._stopping:
             self._wake.wait()
             self._wake.clear()  # before looking for work: a submit after this wakes the next wait
-            while self.llm.has_work and not self._stopping:
+            while not self._stopping:
+                work = self.llm.has_work
                 try:
+                    # With no work left this still delivers: another thread's step (`generate`
+                    # beside this loop) may have been the one that finished these requests.
                     self.llm.step_once(after=self._deliver)
                 except Exception as err:  # the engine is consistent again (LLMEngine.step)
                     logger.exception("engine step failed; aborting the requests in flight")
                     self._fail_all(err)
+                if not work:
+                    break
 
     def _deliver(self) -> None:
         """Hands each request's news to its listener (on this thread, under the LLM's lock)."""

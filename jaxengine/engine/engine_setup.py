@@ -114,6 +114,7 @@ def build_engine(model_dir: Path, config: EngineConfig, parallelism: Parallelism
         num_blocks=plan.num_blocks,
         page_size=config.page_size,
         num_slots=slots.num_slots if slots else 2,
+        feed_size=builder.seq_buckets[-1],
         num_logprobs=config.max_logprobs,
         num_step_drafts=k if builder.drafter else 0,
         draft=draft,

@@ -1,5 +1,8 @@
-"""The engine loop: requests in, one scheduled and sampled step at a time, tokens out."""
+"""The engine loop: requests in, scheduled and sampled steps, tokens out. With async
+scheduling (the default) each step is dispatched before the tokens of the one before are
+read, so the device does not wait for the host (docs/design.md, "The engine loop")."""
 
+import dataclasses
 import threading
 import time
 import weakref
@@ -15,6 +18,7 @@ from jaxengine.engine.interrupts import deferred_interrupts
 from jaxengine.engine.mesh import Parallelism
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.engine.runner import ModelRunner
+from jaxengine.engine.sampler import SampleOutput
 from jaxengine.engine.sampling_params import SamplingParams
 from jaxengine.engine.scheduler import ScheduledStep
 from jaxengine.engine.sequence import Sequence, Status
@@ -51,6 +55,11 @@ class LLMEngine:
         # its next ones, so the speculation gate does not time it.
         self._shapes_run: set[Shape] = set()
         self.timeline = StepTimeline()  # where each step's time goes (`step_timeline.py`)
+        self._in_flight: _InFlight | None = None  # dispatched, tokens not read yet (async scheduling)
+        self.steps_overlapped = 0  # dispatched while the step before ran
+        # Dispatched with none in flight: the first after idling, those whose inputs needed the
+        # step before read (grammars, bad words, speculation), all with async_scheduling off.
+        self.steps_synchronous = 0
         self._next_id = 0
 
     # ------------------------------------------------------------------ step shapes
@@ -154,10 +163,20 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
+        """Whether a request is unfinished. (A step may still be in flight for sequences that
+        ended in the step before it: its tokens are dropped whenever it is read, by the next
+        step or `drain`.)"""
         return self.scheduler.has_unfinished
+
+    def drain(self) -> None:
+        """Reads and processes the step in flight, if any: none is left running."""
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._complete(step)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached page and checkpoint (with no request in flight)."""
+        self.drain()
         self.scheduler.cache.clear()
 
     # ------------------------------------------------------------------ many hosts, release
@@ -182,6 +201,7 @@ class LLMEngine:
         and parameters. Later requests are refused."""
         for seq in list(self.requests.values()):
             self.abort(seq)
+        self._in_flight = None
         self._release()  # once: a finalizer runs at most once
 
     def _check_open(self) -> None:
@@ -203,6 +223,7 @@ class LLMEngine:
             try:
                 return self._step()
             except BaseException as err:
+                self._in_flight = None  # its tokens are lost with the pools: recomputed
                 lost = self.runner.pools_lost()
                 if lost:
                     self.runner.reset_pools()
@@ -212,26 +233,87 @@ class LLMEngine:
                 raise
 
     def _step(self) -> list[Sequence]:
+        """Dispatches the next step, then processes the one in flight before it (if any): the
+        device runs step N + 1 while the host reads and processes step N's tokens, and the
+        tokens N sampled reach N + 1 on the device (`SamplingBatch.feed_rows`). A step whose
+        inputs need those tokens on the host (grammars, bad words, speculation) waits for them
+        instead, as does every step with async_scheduling off."""
+        prev, self._in_flight = self._in_flight, None
+        updated, read_first = [], prev is not None and self._needs_read(prev)
+        if read_first:
+            updated, prev = self._complete(prev), None
+        nxt = self._dispatch(prev) if self.scheduler.has_unfinished else None
+        if nxt is None and prev is None and not read_first:
+            raise RuntimeError("nothing could be scheduled although requests are pending")
+        if nxt is not None and prev is not None:
+            self.steps_overlapped += 1
+        elif nxt is not None:
+            self.steps_synchronous += 1
+        if prev is not None:
+            updated += self._complete(prev)
+        if nxt is not None and nxt.early and self.config.async_scheduling:
+            self._in_flight = nxt  # read by the next call, after it dispatches the step after
+        elif nxt is not None:
+            updated += self._complete(nxt)
+        return updated
+
+    def _needs_read(self, prev: "_InFlight") -> bool:
+        """Whether building the next step needs the host to read `prev`'s tokens first: a
+        sequence with a token not read yet whose next draw depends on it on the host (its
+        grammar's mask, its bad words)."""
+        return any(
+            sampled and (seq.matcher is not None or seq.bad_word_ids)
+            for seq, sampled in zip(prev.scheduled.seqs, prev.samples)
+        )
+
+    def _dispatch(self, prev: "_InFlight | None") -> "_InFlight | None":
+        """Schedules, builds and dispatches a step (None: nothing to schedule). Without
+        speculation, the step's bookkeeping that needs no sampled token (pages computed,
+        checkpoints written) is done at once, and each sampling sequence counts a token not
+        read yet (`Sequence.num_unfilled`)."""
         step_start = time.perf_counter()
+        if prev is not None:
+            prev.note_if_ready()
         if self.spec is not None:
             self.spec.before_step(self.scheduler.running)  # what each sequence offers to verify
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
-            raise RuntimeError("nothing could be scheduled although requests are pending")
+            return None
         self._note_pool_use()
         shape = self._shape_for(scheduled)
         drafting_next = self.spec is not None and self.spec.drafts_next(
             scheduled.seqs, shape.num_seqs, shape.runs_drafter
         )
         batch, sampling = self.builder.build(scheduled, shape, drafting=drafting_next)
+        if prev is not None:
+            prev.note_if_ready()
         start = time.perf_counter()
         out = self.runner.sample(batch, sampling, decode=shape.decode)
         dispatched = time.perf_counter()
+        starts = [seq.num_computed for seq in scheduled.seqs]
+        samples = [
+            seq.finish_reason is None and seq.num_computed + n - len(scheduled.drafts_of(i)) >= seq.num_tokens
+            for i, (seq, n) in enumerate(zip(scheduled.seqs, scheduled.num_tokens))
+        ]  # else a prefill chunk that does not reach the end yet, or a completion step
+        step = _InFlight(scheduled, shape, out, drafting_next, starts, samples, step_start, start, dispatched)
+        if self.spec is None:
+            step.early = True
+            self.scheduler.update(scheduled)
+            for i, seq in enumerate(scheduled.seqs):
+                if samples[i]:
+                    seq.num_unfilled += 1
+                    seq.feed_row = i
+        return step
+
+    def _complete(self, step: "_InFlight") -> list[Sequence]:
+        """Reads a dispatched step's tokens and hands them to its sequences: acceptance of
+        drafts, stops, logprobs, finishing; returns the sequences that received a token."""
+        scheduled, out = step.scheduled, step.out
+        wait_start = time.perf_counter()
         tokens = np.asarray(out.tokens)  # [S, W]: a sequence's sample rows are its last W tokens
-        ready = time.perf_counter()
-        device_seconds = ready - start
+        ready = step.ready_at or time.perf_counter()
         if any(s.params.prompt_logprobs is not None for s in scheduled.seqs):
-            self.outputs.record_prompt_logprobs(scheduled, out.prompt)
+            self.outputs.record_prompt_logprobs(scheduled, out.prompt, step.starts)
         logprobs = None
         if any(s.params.logprobs is not None for s in scheduled.seqs):
             logprobs = [np.asarray(a) for a in (out.logprob, out.rank, out.top_ids, out.top_logprobs)]
@@ -241,48 +323,50 @@ class LLMEngine:
         kept = [0] * len(scheduled.seqs)  # drafts now computed, per sequence
         accepted: dict[int, int] = {}  # drafts the target agreed with, per sequence given tokens
         for i, seq in enumerate(scheduled.seqs):
+            if not step.samples[i] or seq.status is Status.FINISHED:
+                continue  # no token this step, or one drawn after its end (an overlapped step)
             drafts = scheduled.drafts_of(i)
-            if (
-                seq.num_computed + scheduled.num_tokens[i] - len(drafts) < len(seq.tokens)
-                or seq.finish_reason is not None
-            ):
-                continue  # a prefill chunk that does not reach the end yet, or a completion step
             first_row = width - 1 - len(drafts)  # the row after its pending token
             emitted = accept(drafts, tokens[i, first_row:].tolist())
             accepted[i] = len(emitted) - 1
+            if step.early:
+                seq.num_unfilled -= 1
             for row, token in enumerate(emitted, start=first_row):
                 self.outputs.append(seq, token, [a[i, row] for a in logprobs] if logprobs else None)
                 if seq.finish_reason is not None:
                     break  # tokens past a stop are dropped
             kept[i] = row - first_row  # drafts now computed; the last token appended is the pending one
+            if step.early:
+                self.scheduler.filled(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self.scheduler.add_front([f for f in seq.followers if f.status is Status.WAITING])
             if seq.finish_reason is not None:
                 finished.append(seq)
             updated.append(seq)
-        self.scheduler.update(scheduled, kept)
+        if not step.early:
+            self.scheduler.update(scheduled, kept)
         for seq in finished:
             seq.finish_time = now
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)
-        first_run = shape not in self._shapes_run
-        self._shapes_run.add(shape)
+        first_run = step.shape not in self._shapes_run
+        self._shapes_run.add(step.shape)
         if first_run:  # a compile, or an executable's slower first run: not a step's time
             self.timeline.pause()
         else:
-            self.timeline.record(step_start, start, dispatched, ready, time.perf_counter())
-        if not self.scheduler.has_unfinished:
+            self.timeline.record(step.step_start, step.dispatch_start, step.dispatched, wait_start, ready, now)
+        if not self.has_unfinished:
             self.timeline.pause()
         if self.spec is not None:  # what the step showed
             self.spec.after_step(
                 scheduled,
                 accepted=accepted,
                 kept=kept,
-                next_drafts=np.asarray(out.drafts) if drafting_next else None,
-                device_seconds=device_seconds,
-                step_seconds=None if first_run else time.perf_counter() - step_start,
-                shape=shape,
+                next_drafts=np.asarray(out.drafts) if step.drafting else None,
+                device_seconds=ready - step.dispatch_start,
+                step_seconds=None if first_run else time.perf_counter() - step.step_start,
+                shape=step.shape,
             )
         return updated
 
@@ -300,6 +384,8 @@ class LLMEngine:
             "peak_blocks_in_use": self.peak_blocks_in_use,
             "peak_ssm_live_slots_in_use": self.peak_slots_in_use,
             "steps_in_larger_shapes": self.steps_in_larger_shapes,
+            "steps_overlapped": self.steps_overlapped,
+            "steps_synchronous": self.steps_synchronous,
             "step_shapes_not_ready": len(self.shapes()) - len(self.runner.steps.ready),
             **self.timeline.as_dict(),
             **(self.spec.stats.as_dict() if self.spec else {}),
@@ -310,6 +396,7 @@ class LLMEngine:
     def prompt_logits(self, token_ids: list[int], chunk_sizes: list[int]) -> np.ndarray:
         """Every position's logits for one prompt, prefilled in steps of `chunk_sizes`.
         Must not run while requests are in flight (it borrows pages and slots)."""
+        self.drain()
         if self.scheduler.has_unfinished:
             raise RuntimeError("prompt_logits cannot run while requests are in flight")
         seq = Sequence("prompt_logits", 0, list(token_ids), len(token_ids), SamplingParams(), 0)
@@ -331,6 +418,28 @@ class LLMEngine:
         finally:
             sched.release(seq)
         return np.concatenate(rows)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose tokens the host has not processed yet."""
+
+    scheduled: ScheduledStep
+    shape: Shape
+    out: SampleOutput
+    drafting: bool  # its sequences may verify drafts in the next step
+    starts: list[int]  # per sequence: its tokens computed before the step
+    samples: list[bool]  # per sequence: the step samples its next token
+    step_start: float  # perf_counter seconds: scheduling began
+    dispatch_start: float
+    dispatched: float
+    early: bool = False  # its bookkeeping was done at dispatch (no speculation): tokens not read counted
+    ready_at: float | None = None  # when the host first saw its tokens ready, if before reading them
+
+    def note_if_ready(self) -> None:
+        """Notes the time if the device has finished the step (it idles from then on)."""
+        if self.ready_at is None and self.out.tokens.is_ready():
+            self.ready_at = time.perf_counter()
 
 
 def _release_runner(runner: ModelRunner) -> None:

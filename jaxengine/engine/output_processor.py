@@ -38,15 +38,15 @@ class OutputProcessor:
         if seq.finish_reason is None and seq.matcher is not None and seq.matcher.is_stopped():
             seq.finish_reason = "stop"
 
-    def record_prompt_logprobs(self, scheduled: ScheduledStep, prompt: PromptLogprobs) -> None:
+    def record_prompt_logprobs(self, scheduled: ScheduledStep, prompt: PromptLogprobs, starts: list[int]) -> None:
         """Appends the Logprob entries of the prompt tokens this step's chunks predict (the
-        tokens after the ones they compute), for the sequences that asked."""
+        tokens after the ones they compute, from `starts[i]` on), for the sequences that asked."""
         lp, rank, top_lp, top_ids = (
             np.asarray(a) for a in (prompt.logprob, prompt.rank, prompt.top_logprobs, prompt.top_ids)
         )
         offset = 0
-        for seq, n in zip(scheduled.seqs, scheduled.num_tokens):
-            k, start = seq.params.prompt_logprobs, seq.num_computed
+        for seq, n, start in zip(scheduled.seqs, scheduled.num_tokens, starts):
+            k = seq.params.prompt_logprobs
             for q in range(start, min(start + n, seq.num_prompt_tokens - 1)) if k is not None else ():
                 if len(seq.prompt_logprobs) == q + 1:  # else recorded before a preemption
                     t = offset + q - start

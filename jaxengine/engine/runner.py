@@ -5,14 +5,23 @@ import functools
 from collections.abc import Callable
 
 import jax
+import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import PyTreeDef
 
 from jaxengine.engine.mesh import Parallelism, Rules, axis_rules, param_shardings
 from jaxengine.engine.multihost import Lockstep
 from jaxengine.engine.pools import allocate_pools, pool_shardings
-from jaxengine.engine.sampler import SampleOutput, SamplingBatch, draft_tokens, prompt_logprobs, sample_tokens
+from jaxengine.engine.sampler import (
+    SampleOutput,
+    SamplingBatch,
+    draft_tokens,
+    fed,
+    feed_of,
+    prompt_logprobs,
+    sample_tokens,
+)
 from jaxengine.engine.spec.acceptance import last_accepted_rows
 from jaxengine.engine.step_executables import StepExecutables
 from jaxengine.engine.step_store import StepStore
@@ -59,6 +68,7 @@ def _sample_step(
     draft_pools: Pools | None,
     batch: StepBatch,
     sampling: SamplingBatch,
+    feed: jax.Array,
     *,
     decode: bool,
     num_logprobs: int,
@@ -68,11 +78,14 @@ def _sample_step(
     prompt log-probabilities of the tokens `sampling.next_ids` asks for); with an MTP module
     or a draft model (in a step that runs it: `sampling.runs_drafter`; else `draft_leaves` are
     [] and `draft_pools` None), `num_step_drafts` drafts per sequence for the next step. The
-    pools come back in the shardings `placement` (the draft's, the target's): those they came in."""
+    pools come back in the shardings `placement` (the draft's, the target's): those they came in.
+    `feed`: the previous step's `SampleOutput.feed`, the tokens the host has not read yet."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))
+    batch, sampling = fed(batch, sampling, feed)
     h, pools = model(pools, batch, decode=decode, hidden=True)  # [T, D]
     out = sample_tokens(model.head(h[sampling.sample_rows.reshape(-1)]), sampling, num_logprobs)  # [S, W, ...]
     out = dataclasses.replace(out, prompt=prompt_logprobs(model.head, h, sampling.next_ids, num_logprobs))
+    out = dataclasses.replace(out, feed=feed_of(out.tokens, feed.shape[0]))
     last = last_accepted_rows(batch, sampling.sample_rows, sampling.num_drafts, out.tokens)  # [S]
 
     def choose(logits: jax.Array, i: int | jax.Array) -> jax.Array:
@@ -139,6 +152,7 @@ class ModelRunner:
         num_blocks: int,
         page_size: int,
         num_slots: int,
+        feed_size: int = 1,
         num_logprobs: int = 20,
         num_step_drafts: int = 0,
         draft: tuple[ModelConfig, nnx.GraphDef, nnx.State] | None = None,
@@ -166,6 +180,11 @@ class ModelRunner:
         )
         self.pools = self._allocate()
         self.draft_pools = self._allocate_draft()
+        # The last step's sampled tokens, one per sequence row ([feed_size]: the largest
+        # sequence bucket), on the device for the next step to take those the host has not read.
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._fresh_feed = functools.partial(jax.device_put, np.zeros(feed_size, np.int32), replicated)
+        self.feed = self._fresh_feed()
         placement = pool_shardings(self.pools)
         # The steps are jitted here with the model's structure bound, and take the parameters
         # as a flat list: hashing the graph definition and flattening the parameter tree on
@@ -210,6 +229,7 @@ class ModelRunner:
         self.lockstep.send("reset_pools")
         self.pools = self._allocate()
         self.draft_pools = self._allocate_draft()
+        self.feed = self._fresh_feed()
 
     def logits(self, batch: StepBatch, decode: bool = False, all_logits: bool = False) -> jax.Array:
         """Runs one step and returns float32 logits (every token's when `all_logits`)."""
@@ -230,6 +250,7 @@ class ModelRunner:
             lambda executable: self.run_executable(executable, batch, sampling),
             can_retry=lambda: not self.pools_lost(),
         )
+        self.feed = out.feed
         return out
 
     def run_executable(
@@ -237,7 +258,9 @@ class ModelRunner:
     ) -> tuple[SampleOutput, Pools | None, Pools]:
         """Runs a step executable on the current pools (donating them) and returns the new
         ones (the draft model's, then the target's)."""
-        out, draft_pools, pools = executable(**self._step_args(batch, sampling, self.pools, self.draft_pools))
+        out, draft_pools, pools = executable(
+            **self._step_args(batch, sampling, self.pools, self.draft_pools, self.feed)
+        )
         return out, draft_pools if sampling.runs_drafter else self.draft_pools, pools
 
     def executable(self, batch: StepBatch, sampling: SamplingBatch, *, decode: bool) -> jax.stages.Compiled:
@@ -246,7 +269,7 @@ class ModelRunner:
 
     def _lower(self, batch: StepBatch, sampling: SamplingBatch, decode: bool) -> jax.stages.Lowered:
         with jax.set_mesh(self.mesh):  # kernels run on each device's heads (`kernels.py`)
-            args = self._step_args(batch, sampling, self.pool_specs, self.draft_pool_specs)
+            args = self._step_args(batch, sampling, self.pool_specs, self.draft_pool_specs, self._feed_spec)
             return self.sample_step.lower(
                 **args, decode=decode, num_logprobs=self.num_logprobs, num_step_drafts=self.num_step_drafts
             )
@@ -256,10 +279,22 @@ class ModelRunner:
             decode=decode, num_logprobs=self.num_logprobs, num_step_drafts=self.num_step_drafts, model=self._baked
         )
         return self.steps.store.key(
-            static, *self._step_args(batch, sampling, self.pool_specs, self.draft_pool_specs).values()
+            static,
+            *self._step_args(batch, sampling, self.pool_specs, self.draft_pool_specs, self._feed_spec).values(),
         )
 
-    def _step_args(self, batch: StepBatch, sampling: SamplingBatch, pools: Pools, draft_pools: Pools | None) -> dict:
+    @property
+    def _feed_spec(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(self.feed.shape, self.feed.dtype, sharding=self.feed.sharding)
+
+    def _step_args(
+        self,
+        batch: StepBatch,
+        sampling: SamplingBatch,
+        pools: Pools,
+        draft_pools: Pools | None,
+        feed: jax.Array | jax.ShapeDtypeStruct,
+    ) -> dict:
         """A step's arguments: the draft model's parameters and pools only to a step that runs it."""
         drafter = sampling.runs_drafter
         return dict(
@@ -269,6 +304,7 @@ class ModelRunner:
             draft_pools=draft_pools if drafter else None,
             batch=batch,
             sampling=sampling,
+            feed=feed,
         )
 
     def num_compiled_steps(self) -> int:
@@ -280,7 +316,7 @@ class ModelRunner:
         (stopped after the compile in flight) and its device arrays. The runner cannot run
         steps after."""
         self.steps.close()
-        for leaf in jax.tree.leaves((self.pools, self.draft_pools, self.param_leaves, self.draft_leaves)):
+        for leaf in jax.tree.leaves((self.pools, self.draft_pools, self.param_leaves, self.draft_leaves, self.feed)):
             if not leaf.is_deleted():
                 leaf.delete()
 

@@ -11,6 +11,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxengine.models.batch import StepBatch
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,10 @@ class SamplingBatch:
     following_ids: jax.Array  # [T] int32: per token, the token after it where the host knows it, else -1 (MTP's input)
     wants_drafts: jax.Array  # [S] bool: the sequence may verify drafts next step (the MTP module drafts for it)
     speculates: jax.Array  # [S] bool: the sequence speculates (the MTP module runs over a step's tokens if one does)
+    # Tokens the host has not read yet (an overlapped loop, `llm_engine.py`): they come from the
+    # previous step's `SampleOutput.feed` on the device.
+    feed_rows: jax.Array  # [T] int32: per token, the previous step's row whose token it is, or -1 (the host's id)
+    history_feed: jax.Array  # [S] int32: the previous step's row whose token ends the history, or -1
 
     @property
     def runs_drafter(self) -> bool:
@@ -81,6 +87,7 @@ class SampleOutput:
     rank: jax.Array  # [S, W] int32: the chosen token's rank in the raw distribution, 1 = most likely (0 unless asked)
     prompt: "PromptLogprobs | None" = None  # set by the engine step
     drafts: jax.Array | None = None  # [S, k] int32: the MTP module's drafts after each sequence's last accepted token
+    feed: jax.Array | None = None  # [F] int32: row i's last sampled token at i (F: the largest sequence bucket)
 
 
 @jax.tree_util.register_dataclass
@@ -220,7 +227,18 @@ def _per_row(seq_sb: SamplingBatch, rows: RowSettings) -> SamplingBatch:
     per_row = {
         f.name: getattr(seq_sb, f.name)[rows.seq]
         for f in dataclasses.fields(seq_sb)
-        if f.name not in ("history", "sample_rows", "steps", "next_ids", "following_ids", "wants_drafts", "speculates")
+        if f.name
+        not in (
+            "history",
+            "sample_rows",
+            "steps",
+            "next_ids",
+            "following_ids",
+            "wants_drafts",
+            "speculates",
+            "feed_rows",
+            "history_feed",
+        )
     }
     return dataclasses.replace(seq_sb, **per_row, steps=rows.steps)
 
@@ -277,6 +295,23 @@ def sample_tokens(logits: jax.Array, seq_sb: SamplingBatch, num_logprobs: int) -
     chosen, top_logprobs, top_ids, rank = jax.lax.cond(jnp.any(sb.wants_logprobs), top, none, logits)
     by_seq = lambda a: a.reshape(num_seqs, width, *a.shape[1:])  # noqa: E731
     return SampleOutput(by_seq(tokens), by_seq(chosen), by_seq(top_logprobs), by_seq(top_ids), by_seq(rank))
+
+
+def fed(batch: StepBatch, sb: SamplingBatch, feed: jax.Array) -> tuple[StepBatch, SamplingBatch]:
+    """The step's token ids and histories with the tokens the host has not read taken from the
+    previous step's `feed` [F] (`SamplingBatch.feed_rows`, `history_feed`)."""
+    ids = jnp.where(sb.feed_rows >= 0, feed[jnp.maximum(sb.feed_rows, 0)], batch.input_ids)
+    seqs = jnp.arange(sb.history.shape[0])
+    last = jnp.maximum(sb.history_lens - 1, 0)
+    token = jnp.where(sb.history_feed >= 0, feed[jnp.maximum(sb.history_feed, 0)], sb.history[seqs, last])
+    history = jnp.asarray(sb.history).at[seqs, last].set(token)
+    return dataclasses.replace(batch, input_ids=ids), dataclasses.replace(sb, history=history)
+
+
+def feed_of(tokens: jax.Array, size: int) -> jax.Array:
+    """A step's `SampleOutput.feed`: each sequence's last sample row's token [S, W] -> [size]
+    (what a plain step samples; a step whose tokens are fed on never verifies drafts)."""
+    return jnp.zeros(size, jnp.int32).at[: tokens.shape[0]].set(tokens[:, -1])
 
 
 def draft_tokens(logits: jax.Array, seq_sb: SamplingBatch, last: jax.Array, i: int | jax.Array) -> jax.Array:

@@ -149,7 +149,9 @@ class Scheduler:
             self.cache.unpin(seq.restore)
         if seq.owned_slots:
             self.slots.free(seq.owned_slots)
-        seq.pages, seq.owned_slots, seq.read_slot, seq.restore = [], [], 0, None
+        for save in seq.deferred_saves:
+            self.cache.cancel(save.blocks)
+        seq.pages, seq.owned_slots, seq.read_slot, seq.restore, seq.deferred_saves = [], [], 0, None, []
 
     def _preempt(self, seq: Sequence) -> None:
         if seq.status is Status.COMPLETING:  # its output is final: drop the extra step
@@ -182,7 +184,7 @@ class Scheduler:
         (0, and nothing taken, if its slots or pages cannot be had). With nothing running, a
         sequence whose hit leaves too few blocks for the rest (its checkpoint's blocks pinned)
         is taken without the hit (`hit=False`), the cache's content evicted as needed."""
-        hashes = self._hashes(seq)[: (len(seq.tokens) - 1) // self.page_size]  # leave a token to compute
+        hashes = self._hashes(seq)[: (seq.num_tokens - 1) // self.page_size]  # leave a token to compute
         if seq.params.prompt_logprobs is not None or not hit:
             hashes = []  # prompt_logprobs: every prompt token's logits are asked for, computed, not hit (as in vLLM)
         match = self.cache.match(hashes)
@@ -211,7 +213,7 @@ class Scheduler:
         seq.junctions = {d * self.page_size: uses for d, uses in match.junctions.items() if d > match.hit_pages}
         # The last page boundary of what it must prefill (its prompt, or all its tokens when
         # recomputed after preemption): the state there is an edge checkpoint.
-        seq.prefill_boundary = (len(seq.tokens) // self.page_size) * self.page_size
+        seq.prefill_boundary = (seq.num_tokens // self.page_size) * self.page_size
         if slots is not None:
             seq.owned_slots, seq.read_slot = slots, slots[0]
         if self.speculates is not None:  # (`seq` is still among the waiting)
@@ -226,7 +228,7 @@ class Scheduler:
                 seq.hit_checkpoint = match.checkpoint.node.block_hash
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = hit
-        self.stats.tokens_asked += len(seq.tokens)
+        self.stats.tokens_asked += seq.num_tokens
         self.stats.tokens_hit += hit
         if self.cache.has_kv:
             self.stats.tokens_lost += (match.reach_pages - match.hit_pages) * self.page_size
@@ -242,6 +244,8 @@ class Scheduler:
         pending = sorted(self.running, key=lambda s: s.num_uncomputed > 1)
         while pending and budget > 0:
             seq = pending.pop(0)
+            if seq.num_unfilled and seq.stops_for_length:
+                continue  # its unread token is its last: nothing to compute for it (see `finish`)
             drafts = self._drafts(seq, budget)
             n = min(seq.num_uncomputed, budget) + len(drafts)
             if drafts and not self.grow_pages(seq, seq.num_computed + n):
@@ -288,7 +292,7 @@ class Scheduler:
             return []
         wanted = []
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
-            hashes = self._hashes(seq, step.drafts_of(i))  # checkpoints inside drafts are kept only if accepted
+            hashes = None
             for pos, kind in checkpoint_policy.plan(
                 seq.num_computed,
                 seq.num_computed + n,
@@ -298,8 +302,11 @@ class Scheduler:
                 junctions=seq.junctions,
                 grain=self.cache.divergences.grain,
             ):
-                block_hash = hashes[pos // self.page_size - 1]
-                if block_hash not in self.cache.checkpoints:
+                if hashes is None:  # checkpoints inside drafts are kept only if accepted
+                    hashes = self._hashes(seq, step.drafts_of(i))
+                k = pos // self.page_size - 1  # the prefix's hash waits for tokens not read yet past the known ones
+                block_hash = hashes[k] if k < len(hashes) else None
+                if block_hash is None or block_hash not in self.cache.checkpoints:
                     wanted.append((kind is Kind.CANDIDATE, -pos, i, kind, block_hash))
         saves = []
         for _, neg_pos, i, kind, block_hash in sorted(wanted, key=lambda w: w[:3]):
@@ -346,22 +353,44 @@ class Scheduler:
             if save.position > seq.num_computed:  # after a rejected draft
                 self.cache.cancel(save.blocks)
                 continue
-            block_hash = self._hashes(seq)[save.position // self.page_size - 1]
-            if self.cache.commit(save.blocks, block_hash, save.kind.origin, save.hits) is not None:
-                self._mark_draft_state(save.blocks, seq.speculates)
-                self._note_edge(seq, save, block_hash)
+            self._commit_save(seq, save)
         for seq in step.seqs:
             if seq.status is Status.COMPLETING:
                 self.finish(seq)
 
-    def _register_pages(self, seq: Sequence) -> None:
+    def filled(self, seq: Sequence) -> None:
+        """Its token sampled by a step before the last was read and appended: the pages and
+        checkpoints computed meanwhile whose prefix hash it completes are registered now."""
+        if self.caching:
+            self._register_pages(seq)
+        saves, seq.deferred_saves = seq.deferred_saves, []
+        for save in saves:
+            self._commit_save(seq, save)
+
+    def _commit_save(self, seq: Sequence, save: CheckpointSave) -> None:
+        """Keeps a checkpoint the step wrote, or defers it while its prefix ends past the
+        tokens the host has read (`filled`)."""
         hashes = self._hashes(seq)
-        for i in range(seq.num_registered_pages, seq.num_computed // self.page_size):
+        k = save.position // self.page_size - 1
+        if k >= len(hashes):
+            seq.deferred_saves.append(save)
+            return
+        if self.cache.commit(save.blocks, hashes[k], save.kind.origin, save.hits) is not None:
+            self._mark_draft_state(save.blocks, seq.speculates)
+            self._note_edge(seq, save, hashes[k])
+
+    def _register_pages(self, seq: Sequence) -> None:
+        """Registers its computed full pages, those whose tokens the host has read."""
+        if seq.num_computed // self.page_size <= seq.num_registered_pages:
+            return  # no page completed since
+        hashes = self._hashes(seq)
+        end = min(seq.num_computed // self.page_size, len(hashes))
+        for i in range(seq.num_registered_pages, end):
             block = seq.pages[i] if self.cache.has_kv else 0
             self.cache.register(block, hashes[i], hashes[i - 1] if i else None, (i + 1) * self.page_size, seq.heat)
             if self.cache.has_kv:
                 self._mark_draft_state([block], seq.speculates)
-        seq.num_registered_pages = max(seq.num_registered_pages, seq.num_computed // self.page_size)
+        seq.num_registered_pages = max(seq.num_registered_pages, end)
 
     def _mark_draft_state(self, blocks: list[int], present: bool) -> None:
         """Notes whether cached `blocks` hold the draft's state (only speculating sequences keep it)."""
@@ -399,6 +428,7 @@ class Scheduler:
             self.running.remove(seq)
             self.release(seq)
         seq.status = Status.FINISHED
+        seq.num_unfilled = 0  # a token of it not read yet is dropped
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
 
@@ -433,6 +463,9 @@ class Scheduler:
         (their outputs so far are kept). If the device pools were lost, the cache forgets
         everything they held."""
         self.cache.cancel_all_pending()
+        for seq in [*self.running, *self.waiting]:
+            seq.deferred_saves = []  # cancelled above
+            seq.num_unfilled = 0  # the failed steps' tokens are never read: they are sampled again
         for seq in list(reversed(self.running)):
             if seq.status is Status.COMPLETING:
                 self.finish(seq)
@@ -447,8 +480,15 @@ class Scheduler:
         A sequence whose last sampled token completes a page first takes one more step to
         compute that token (`Status.COMPLETING`; its output is final already): then that page
         is cached and the state after it is a checkpoint, so a next turn hits the whole page
-        instead of stopping a page short, for the price of one token."""
-        if self.caching and len(seq.tokens) % self.page_size == 0 and seq.status is Status.RUNNING:
+        instead of stopping a page short, for the price of one token. (In an overlapped loop
+        that token is often computed already, by the step that ran before its end was read.)"""
+        seq.num_unfilled = 0  # a token sampled after its end is dropped
+        if seq.status is Status.WAITING:  # preempted before its last token was read
+            self.waiting.remove(seq)
+            seq.status = Status.FINISHED
+            return
+        computed = seq.num_computed >= len(seq.tokens)
+        if self.caching and len(seq.tokens) % self.page_size == 0 and seq.status is Status.RUNNING and not computed:
             seq.status = Status.COMPLETING
             return
         self.running.remove(seq)

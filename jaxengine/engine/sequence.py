@@ -20,7 +20,8 @@ class Status(enum.Enum):
 @dataclasses.dataclass
 class Sequence:
     """A request's state. `tokens` is prompt then output; the first `num_computed` of them
-    are in the caches. When all are computed the next token is sampled and appended."""
+    are in the caches. When all are computed the next token is sampled and appended (once
+    the host reads it: until then it counts in `num_tokens` only)."""
 
     request_id: str
     index: int  # position among the prompts of its `generate` call
@@ -68,6 +69,13 @@ class Sequence:
     cumulative_logprob: float = 0.0  # of its chosen tokens (kept when logprobs are asked)
     spec: SpecState | None = None  # its speculation, in an engine that speculates
     matcher: object | None = None  # its grammar's llguidance matcher (structured outputs), at its tokens
+    # An overlapped loop (`llm_engine.py`) runs the next step before the host reads the last
+    # one's tokens: tokens sampled but not appended yet (0 or 1 when a step is scheduled), the
+    # row of the step that sampled the last of them, and the checkpoint saves whose prefix
+    # hash waits for them (`scheduler.CheckpointSave`).
+    num_unfilled: int = 0
+    feed_row: int = -1
+    deferred_saves: list = dataclasses.field(default_factory=list)
 
     @property
     def speculates(self) -> bool:
@@ -83,8 +91,18 @@ class Sequence:
         return self.tokens[self.num_prompt_tokens :]
 
     @property
+    def num_tokens(self) -> int:
+        """Its tokens, those sampled but not read yet included."""
+        return len(self.tokens) + self.num_unfilled
+
+    @property
     def num_uncomputed(self) -> int:
-        return len(self.tokens) - self.num_computed
+        return self.num_tokens - self.num_computed
+
+    @property
+    def stops_for_length(self) -> bool:
+        """Whether the tokens sampled so far, read or not, reach max_tokens: it ends there."""
+        return self.num_tokens - self.num_prompt_tokens >= self.params.max_tokens
 
     @property
     def write_slot(self) -> int:

@@ -1,5 +1,7 @@
 """The on-device sampler against hand-computed expectations on small vocabularies."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -51,6 +53,8 @@ def _batch(n: int, **overrides) -> SamplingBatch:
         following_ids=np.full(n, -1, np.int32),
         wants_drafts=np.zeros(n, bool),
         speculates=np.zeros(n, bool),
+        feed_rows=np.full(n, -1, np.int32),
+        history_feed=np.full(n, -1, np.int32),
     )
     for key, value in overrides.items():
         fields[key] = np.asarray(value, dtype=fields[key].dtype)
@@ -313,3 +317,27 @@ def test_logit_bias_allowed_ids_and_bad_ids_shape_the_draw_but_not_the_raw_logpr
     sb = _batch(200, temperature=np.ones(200), allowed_ids=np.tile([3, 4, -1], (200, 1)))
     drawn = np.asarray(sample_tokens(np.repeat(LOGITS, 200, axis=0), sb, num_logprobs=2).tokens)
     assert set(drawn) == {3, 4}  # both drawn, nothing else
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ids:  # the one field of a StepBatch that `sampler.fed` reads and replaces
+    input_ids: jax.Array
+
+
+def test_the_feed_replaces_only_the_tokens_it_names():
+    """Ids and each history's last token come from the previous step's feed where the step
+    names a row of it (a token the host has not read), else stay the host's."""
+    sb = _batch(
+        3,
+        history=[[1, 2, 3, -1, -1, -1], [4, 5, -1, -1, -1, -1], [6, -1, -1, -1, -1, -1]],
+        history_lens=[4, 2, 1],
+        history_feed=[1, -1, 0],
+    )
+    sb = dataclasses.replace(sb, feed_rows=np.array([-1, 0, -1, 1], np.int32))  # [T]: 4 tokens
+    ids, sb = sampler.fed(_Ids(np.array([10, 11, 12, 13], np.int32)), sb, np.array([70, 71, 72, 0], np.int32))
+    assert np.asarray(ids.input_ids).tolist() == [10, 70, 12, 71]
+    assert np.asarray(sb.history).tolist() == [
+        [1, 2, 3, 71, -1, -1],
+        [4, 5, -1, -1, -1, -1],
+        [70, -1, -1, -1, -1, -1],
+    ]

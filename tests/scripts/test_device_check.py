@@ -27,6 +27,7 @@ ENGINE_ROWS = [
     "engine decode b4",
     "engine prefill 4x8",
     "engine load / first runs",
+    "engine output b4, async vs synchronous loop",
     "engine first tokens auto vs ref",
     "engine tensor parallel",
     "engine verify b4",
@@ -138,16 +139,20 @@ def test_costs():
 def test_engine_report_when_a_mode_did_not_run():
     spec = device_check.quick_plan().engine
     sizes = device_check.ModelSizes(parameters=1000, weight_bytes=2000, embedding_bytes=500, layer_parameters=800)
-    auto = device_check.EngineRun("auto", 1.0, 9.0, 400.0, 300.0, 2000.0, 0, [[1, 2, 3], [4, 5, 6]], [7, 8])
+    auto = device_check.EngineRun("auto", 1.0, 9.0, 400.0, 300.0, 2000.0, 250.0, 0, [[1, 2, 3], [4, 5, 6]], [7, 8])
     roofline = device_check.Roofline(bandwidth=1e9, matmul_rate=1e12)
     rows = device_check.engine_report(spec, sizes, {"auto": auto, "reference": "skipped (time)"}, roofline)
-    assert [r.name for r in rows] == ENGINE_ROWS[:4]  # the tensor-parallel and verify rows come from runs of their own
+    assert [r.name for r in rows] == ENGINE_ROWS[:5]  # the tensor-parallel and verify rows come from runs of their own
+    overlap = rows[3]
+    assert overlap.kernel == 300.0 and overlap.reference == 250.0 and overlap.speedup == pytest.approx(1.2)
     decode = rows[0]
     assert decode.status == "ok" and decode.kernel == 400.0 and decode.reference is None and decode.speedup is None
     assert decode.note == "reference: skipped (time)" and decode.kernel_floor_pct > 0
     assert rows[-1].status == "skipped (time)"
 
-    reference = device_check.EngineRun("reference", 1.0, 5.0, 200.0, 100.0, 1000.0, 0, [[1, 2, 0], [9, 5, 6]], [7, 8])
+    reference = device_check.EngineRun(
+        "reference", 1.0, 5.0, 200.0, 100.0, 1000.0, 90.0, 0, [[1, 2, 0], [9, 5, 6]], [7, 8]
+    )
     rows = device_check.engine_report(spec, sizes, {"auto": auto, "reference": reference}, roofline)
     assert rows[0].speedup == 2.0 and rows[1].speedup == 2.0 and rows[2].speedup is None  # load times: no speedup
     first = rows[-1]
