@@ -309,6 +309,9 @@ class LLMEngine:
         """Reads a dispatched step's tokens and hands them to its sequences: acceptance of
         drafts, stops, logprobs, finishing; returns the sequences that received a token."""
         scheduled, out = step.scheduled, step.out
+        # Every sequence of it ended before it was read: it ran after their ends (async), its
+        # tokens are dropped, and it may have been read long after (when work came again).
+        dropped = all(seq.status is Status.FINISHED for seq in scheduled.seqs)
         wait_start = time.perf_counter()
         tokens = np.asarray(out.tokens)  # [S, W]: a sequence's sample rows are its last W tokens
         ready = step.ready_at or time.perf_counter()
@@ -352,7 +355,7 @@ class LLMEngine:
             self.requests.pop(seq.request_id, None)
         first_run = step.shape not in self._shapes_run
         self._shapes_run.add(step.shape)
-        if first_run:  # a compile, or an executable's slower first run: not a step's time
+        if first_run or dropped:  # a compile, or an executable's slower first run: not a step's time
             self.timeline.pause()
         else:
             self.timeline.record(step.step_start, step.dispatch_start, step.dispatched, wait_start, ready, now)

@@ -136,6 +136,16 @@ class _EngineCollector:
             "Share of the device's time idle between engine steps since start.",
             stats.get("device_idle_fraction", 0.0),
         )
+        yield counter(
+            "jaxengine:steps_overlapped",
+            "Engine steps dispatched while the step before ran (async scheduling).",
+            stats.get("steps_overlapped", 0),
+        )
+        yield counter(
+            "jaxengine:steps_synchronous",
+            "Engine steps dispatched with none in flight (after idling, or needing the last tokens on the host).",
+            stats.get("steps_synchronous", 0),
+        )
         for phase in ("host_before", "dispatch", "device_wait", "host_after", "device_idle_gap"):
             yield gauge(
                 f"jaxengine:step_{phase}_ms",

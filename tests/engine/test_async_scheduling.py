@@ -3,6 +3,8 @@ before are read, those tokens fed to it on the device. Its outputs, log-probabil
 hits and bookkeeping must be the synchronous loop's (`async_scheduling=False`), which the rest
 of the suite checks against transformers."""
 
+import time
+
 import pytest
 
 from jaxengine import LLM, SamplingParams
@@ -151,3 +153,18 @@ def test_stop_strings_grammars_and_bad_words(text_llms):
     alone = text_llms[0].generate(prompts[::3], [params[0], params[3]], use_tqdm=False)
     assert text_llms[0].stats()["steps_overlapped"] > 0
     assert [o.outputs[0].text for o in alone] == [got[0][0], got[3][0]]
+
+
+def test_a_step_left_running_after_its_sequences_ended_is_not_timed(tmp_path):
+    """A sequence that stops on a token has run one more step, in flight when `generate`
+    returns; read only when the next request comes, it is not a step's time."""
+    save_tiny_model("bamba", tmp_path)
+    llm = LLM(tmp_path, **ARGS, compilation_cache_dir=str(tmp_path / "compiled"))
+    params = SamplingParams(max_tokens=200, temperature=1.0, seed=1, stop_token_ids=list(range(0, VOCAB_SIZE, 10)))
+    (out,) = llm.generate([random_prompt(9, 5)], params, use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop"
+    assert llm.engine._in_flight is not None  # the step after its stop
+    time.sleep(0.5)
+    llm.generate([random_prompt(9, 6)], params, use_tqdm=False)
+    timeline = llm.engine.timeline
+    assert timeline.recent and timeline.busy_seconds < 0.4  # the half second waited is nobody's

@@ -310,6 +310,9 @@ def test_second_identical_prompt_reports_cached_tokens_and_metrics_add_up(server
     assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] == cached
     assert after["vllm:e2e_request_latency_seconds_count"] - before["vllm:e2e_request_latency_seconds_count"] == 2
     assert after["vllm:time_to_first_token_seconds_count"] - before["vllm:time_to_first_token_seconds_count"] == 2
+    # each request's 4 tokens: the first step of each is synchronous (nothing in flight), the rest overlap
+    assert after["jaxengine:steps_overlapped_total"] - before["jaxengine:steps_overlapped_total"] >= 4
+    assert after["jaxengine:steps_synchronous_total"] - before["jaxengine:steps_synchronous_total"] >= 2
 
 
 def test_sigterm_exits_0(server, client):
