@@ -273,8 +273,8 @@ class BatchBuilder:
             tokens = seq.tokens + drafts  # a verify step's tokens are its pending token and its drafts
             known = tokens[start : start + n]
             ids[offset : offset + len(known)] = known
-            if seq.num_unfilled:  # its last token: sampled by the step before, not read yet
-                if seq.num_unfilled > 1 or drafts or len(known) != n - 1:
+            if len(known) < n:  # its last token: sampled by the step before, not read yet
+                if seq.num_unfilled != 1 or drafts or len(known) != n - 1:
                     raise RuntimeError(f"sequence {seq.request_id}: tokens not read would be needed")
                 feed_rows[offset + n - 1] = history_feed[i] = seq.feed_row
             if seq.params.prompt_logprobs is not None:  # each prompt token's log-probability, from the one before

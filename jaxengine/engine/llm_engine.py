@@ -239,6 +239,8 @@ class LLMEngine:
         inputs need those tokens on the host (grammars, bad words, speculation) waits for them
         instead, as does every step with async_scheduling off."""
         prev, self._in_flight = self._in_flight, None
+        if prev is not None:
+            prev.note_if_ready()
         updated, read_first = [], prev is not None and self._needs_read(prev)
         if read_first:
             updated, prev = self._complete(prev), None
@@ -358,7 +360,8 @@ class LLMEngine:
         if first_run or dropped:  # a compile, or an executable's slower first run: not a step's time
             self.timeline.pause()
         else:
-            self.timeline.record(step.step_start, step.dispatch_start, step.dispatched, wait_start, ready, now)
+            end = time.perf_counter()
+            self.timeline.record(step.step_start, step.dispatch_start, step.dispatched, wait_start, ready, end)
         if not self.has_unfinished:
             self.timeline.pause()
         if self.spec is not None:  # what the step showed

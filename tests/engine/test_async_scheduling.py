@@ -168,3 +168,20 @@ def test_a_step_left_running_after_its_sequences_ended_is_not_timed(tmp_path):
     llm.generate([random_prompt(9, 6)], params, use_tqdm=False)
     timeline = llm.engine.timeline
     assert timeline.recent and timeline.busy_seconds < 0.4  # the half second waited is nobody's
+
+
+def test_a_sequence_preempted_with_an_unread_token_is_recomputed_in_chunks(tmp_path):
+    """Without prefix caching a preempted sequence is recomputed from scratch, in chunks of
+    the token budget: taken back in the same step that preempted it, its first chunk stops
+    before the token not read yet (no feed), and a later chunk takes it in."""
+    save_tiny_model("bamba", tmp_path)
+    args = {**ARGS, "enable_prefix_caching": False, "num_cache_blocks": 1 + 40}
+    prompts = [random_prompt(50, 40 + i) for i in range(3)]
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)  # 150 of the pool's 160 tokens
+    outs = {}
+    for on in (False, True):
+        llm = LLM(tmp_path, **args, async_scheduling=on, compilation_cache_dir=str(tmp_path / "compiled"))
+        outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.scheduler.num_preemptions > 0
+        llm.engine.scheduler.check_invariants()
+    assert outs[True] == outs[False]
