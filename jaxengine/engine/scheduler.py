@@ -15,6 +15,11 @@ Prefix caching (host side only; the device just follows the index arrays):
   * each step stores the checkpoints `checkpoint_policy.plan` asks for, where the cache has
     room for them at their priority (`saves`); they become readable once the step has run.
 
+Async scheduling (`llm_engine.py`): a step may be scheduled before the tokens of the step
+before it are read; a sequence that sampled there counts a token not read yet
+(`Sequence.num_unfilled`), which the step takes on the device. Pages and checkpoints whose
+prefix hash covers such a token are registered once it is read (`filled`).
+
 Speculation: whether a sequence speculates is decided as it is admitted (`speculates`). One
 that does not has no draft state kept for it (the MTP module's KV entries, the draft model's
 KV entries and states), so the cached pages and checkpoints it registers are marked as
