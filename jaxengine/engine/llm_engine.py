@@ -61,6 +61,7 @@ class LLMEngine:
         # step before read (grammars, bad words, speculation), all with async_scheduling off.
         self.steps_synchronous = 0
         self._next_id = 0
+        self._last_end = 0.0  # perf_counter seconds: when the last step was processed
 
     # ------------------------------------------------------------------ step shapes
 
@@ -236,8 +237,9 @@ class LLMEngine:
         """Dispatches the next step, then processes the one in flight before it (if any): the
         device runs step N + 1 while the host reads and processes step N's tokens, and the
         tokens N sampled reach N + 1 on the device (`SamplingBatch.feed_rows`). A step whose
-        inputs need those tokens on the host (grammars, bad words, speculation) waits for them
-        instead, as does every step with async_scheduling off."""
+        inputs need those tokens on the host (grammars, bad words, a speculating sequence's
+        drafts) waits for them instead, as does every step with async_scheduling off; a step
+        in which some sequence speculates is read before the next is built."""
         prev, self._in_flight = self._in_flight, None
         if prev is not None:
             prev.note_if_ready()
@@ -262,15 +264,15 @@ class LLMEngine:
     def _needs_read(self, prev: "_InFlight") -> bool:
         """Whether building the next step needs the host to read `prev`'s tokens first: a
         sequence with a token not read yet whose next draw depends on it on the host (its
-        grammar's mask, its bad words)."""
+        grammar's mask, its bad words, the drafts it offers when it speculates)."""
         return any(
-            sampled and (seq.matcher is not None or seq.bad_word_ids)
+            sampled and (seq.matcher is not None or seq.bad_word_ids or seq.speculates)
             for seq, sampled in zip(prev.scheduled.seqs, prev.samples)
         )
 
     def _dispatch(self, prev: "_InFlight | None") -> "_InFlight | None":
-        """Schedules, builds and dispatches a step (None: nothing to schedule). Without
-        speculation, the step's bookkeeping that needs no sampled token (pages computed,
+        """Schedules, builds and dispatches a step (None: nothing to schedule). In a step where
+        no sequence speculates, the bookkeeping that needs no sampled token (pages computed,
         checkpoints written) is done at once, and each sampling sequence counts a token not
         read yet (`Sequence.num_unfilled`)."""
         step_start = time.perf_counter()
@@ -298,7 +300,7 @@ class LLMEngine:
             for i, (seq, n) in enumerate(zip(scheduled.seqs, scheduled.num_tokens))
         ]  # else a prefill chunk that does not reach the end yet, or a completion step
         step = _InFlight(scheduled, shape, out, drafting_next, starts, samples, step_start, start, dispatched)
-        if self.spec is None:
+        if not any(seq.speculates for seq in scheduled.seqs):  # no drafts to accept on the host
             step.early = True
             self.scheduler.update(scheduled)
             for i, seq in enumerate(scheduled.seqs):
@@ -357,10 +359,14 @@ class LLMEngine:
             self.requests.pop(seq.request_id, None)
         first_run = step.shape not in self._shapes_run
         self._shapes_run.add(step.shape)
+        end = time.perf_counter()
+        # What the step cost the loop: from its scheduling, or when overlapped from the end of
+        # the step before (its scheduling ran while that one was on the device).
+        step_seconds = end - max(step.step_start, self._last_end)
+        self._last_end = end
         if first_run or dropped:  # a compile, or an executable's slower first run: not a step's time
             self.timeline.pause()
         else:
-            end = time.perf_counter()
             self.timeline.record(step.step_start, step.dispatch_start, step.dispatched, wait_start, ready, end)
         if not self.has_unfinished:
             self.timeline.pause()
@@ -371,7 +377,7 @@ class LLMEngine:
                 kept=kept,
                 next_drafts=np.asarray(out.drafts) if step.drafting else None,
                 device_seconds=ready - step.dispatch_start,
-                step_seconds=None if first_run else time.perf_counter() - step.step_start,
+                step_seconds=None if first_run else step_seconds,
                 shape=step.shape,
             )
         return updated

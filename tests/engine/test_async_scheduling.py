@@ -185,3 +185,26 @@ def test_a_sequence_preempted_with_an_unread_token_is_recomputed_in_chunks(tmp_p
         assert llm.engine.scheduler.num_preemptions > 0
         llm.engine.scheduler.check_invariants()
     assert outs[True] == outs[False]
+
+
+def test_a_speculating_engine_overlaps_the_steps_in_which_no_sequence_speculates(tmp_path):
+    """Sequences admitted without speculation (the gate's call) decode overlapped; those
+    that speculate have their drafts accepted on the host, so their steps wait. Tokens are a
+    plain engine's either way."""
+    save_tiny_model("bamba", tmp_path)
+    store = dict(compilation_cache_dir=str(tmp_path / "compiled"))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}  # every sequence speculates
+    prompts = [random_prompt(12, 7) * 3, random_prompt(20, 8)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tmp_path, **ARGS, **store).generate(prompts, params, use_tqdm=False)]
+    for admitted in (True, False):
+        llm = LLM(tmp_path, **ARGS, **store, speculative_config=spec)
+        if not admitted:  # as when the gate finds that speculation does not pay
+            llm.engine.scheduler.speculates = lambda load, hit_has_draft_state: False
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want, admitted
+        stats = llm.stats()
+        if admitted:
+            assert stats["steps_overlapped"] == 0
+        else:
+            assert stats["spec_draft_tokens"] == 0 and stats["steps_overlapped"] > stats["steps_synchronous"]
