@@ -138,6 +138,10 @@ def test_prompt_logprobs_and_token_ids(server, reference):
 
 def test_a_client_that_stops_waiting_aborts_its_request(server):
     """Not streamed: the server notices the closed connection while the request runs."""
+    for _ in range(100):  # the server idle first, so that the running requests below are this one's
+        if metrics(server)["vllm:num_requests_running"] == 0:
+            break
+        threading.Event().wait(0.1)
     aborted = metrics(server).get("vllm:request_success_total/abort", 0)
     body = json.dumps({"prompt": PROMPT, "max_tokens": 450, "n": 16, "ignore_eos": True}).encode()  # seconds
     head = (
@@ -146,8 +150,8 @@ def test_a_client_that_stops_waiting_aborts_its_request(server):
     )
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(head.encode() + body)
-        for _ in range(600):  # until the request runs; then the client hangs up
-            if metrics(server)["vllm:num_requests_running"] > 0:
+        for _ in range(600):  # until its 16 samples run; then the client hangs up
+            if metrics(server)["vllm:num_requests_running"] >= 16:
                 break
             threading.Event().wait(0.05)
     for _ in range(100):
@@ -156,7 +160,8 @@ def test_a_client_that_stops_waiting_aborts_its_request(server):
             break
         threading.Event().wait(0.1)
     assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
-    assert m.get("vllm:request_success_total/abort") == aborted + 16  # aborted, not run to its end
+    finished = {k: v for k, v in m.items() if k.startswith("vllm:request_success_total")}
+    assert m.get("vllm:request_success_total/abort") == aborted + 16, finished  # aborted, not run to its end
 
 
 def test_echo_prepends_the_prompt_given_as_text_or_ids(client, reference):
