@@ -304,7 +304,7 @@ class BatchBuilder:
             frequency[i] = p.frequency_penalty
             repetition[i] = p.repetition_penalty
             seeds[i] = seq.seed
-            steps[i] = seq.num_tokens - seq.num_prompt_tokens
+            steps[i] = seq.num_sampled
             history[i, : len(tokens)] = tokens
             history_lens[i] = seq.num_tokens
             prompt_lens[i] = seq.num_prompt_tokens
@@ -313,7 +313,7 @@ class BatchBuilder:
             if drafter:
                 wants_drafts[i] = drafting and seq.speculates and not seq.bad_word_ids
                 speculates[i] = seq.speculates
-            if seq.num_tokens - seq.num_prompt_tokens < p.min_tokens:
+            if seq.num_sampled < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 banned[i, : len(stops)] = stops[:MAX_STOP_TOKEN_IDS]
             if p.logit_bias:

@@ -276,8 +276,6 @@ class LLMEngine:
         checkpoints written) is done at once, and each sampling sequence counts a token not
         read yet (`Sequence.num_unfilled`)."""
         step_start = time.perf_counter()
-        if prev is not None:
-            prev.note_if_ready()
         if self.spec is not None:
             self.spec.before_step(self.scheduler.running)  # what each sequence offers to verify
         scheduled = self.scheduler.schedule()

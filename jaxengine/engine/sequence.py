@@ -100,9 +100,14 @@ class Sequence:
         return self.num_tokens - self.num_computed
 
     @property
+    def num_sampled(self) -> int:
+        """Its output tokens, those sampled but not read yet included."""
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
     def stops_for_length(self) -> bool:
         """Whether the tokens sampled so far, read or not, reach max_tokens: it ends there."""
-        return self.num_tokens - self.num_prompt_tokens >= self.params.max_tokens
+        return self.num_sampled >= self.params.max_tokens
 
     @property
     def write_slot(self) -> int:
