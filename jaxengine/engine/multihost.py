@@ -4,8 +4,11 @@ Every process loads the model, holds its shards of the parameters and pools and 
 same steps; only process 0 schedules, keeps the prefix cache and takes requests. XLA's
 collectives need every process in every step, so before each step process 0 sends the step's
 host-built batch to the others (`Lockstep`), which run it on their shards. The batch travels
-as bytes broadcast over the devices, by the collectives the steps themselves use (gloo on
-CPU). The bytes are pickles: the processes of one engine trust each other.
+through the key-value store of jax.distributed's coordination service, host to host: a
+broadcast over the devices would queue behind the step in flight, so process 0 could not
+build and send step N + 1 while step N runs (async scheduling). Values process 0 decides
+while setting up (`from_process_0`) go over the devices, where nothing is in flight yet.
+The bytes are pickles: the processes of one engine trust each other.
 """
 
 import logging
@@ -15,11 +18,13 @@ import time
 
 import jax
 import numpy as np
+from jax._src import distributed
 from jax.experimental import multihost_utils
 
 logger = logging.getLogger("jaxengine")
 
 _joined: tuple[str, int, int] | None = None  # (address, processes, rank) this process joined with
+WAIT_MS = 1000  # a follower's wait for process 0's next call, renewed until it comes
 
 
 def join(address: str, num_nodes: int, node_rank: int, timeout_s: int) -> None:
@@ -74,23 +79,29 @@ def _wait_for(address: str, timeout_s: int) -> None:
 
 
 class Lockstep:
-    """Process 0's calls on its model runner, made on every other process's runner too."""
+    """Process 0's calls on its model runner, made on every other process's runner too.
+
+    Call n travels under the key `jaxengine/lockstep/<process>/<n>` once for each other
+    process, which reads and deletes it: the store holds only calls not run yet."""
 
     def __init__(self):
         self.leading = jax.process_count() > 1 and jax.process_index() == 0
         self.stopped = False  # process 0 said there are no more steps
+        self.calls = 0  # sent (process 0) or received (the others)
 
     def send(self, method: str, *args) -> None:
         """On process 0 of several: tells the others to call `runner.<method>(*args)` (before
-        process 0 calls it itself). Elsewhere nothing."""
-        if self.leading and not self.stopped:
-            try:
-                _broadcast(pickle.dumps((method, args)))
-            except (RuntimeError, ValueError) as err:  # XLA's errors: a process has gone
-                self.stopped = True
-                raise ConnectionError(
-                    f"process 0 lost the other processes of the engine (one stopped?): {err}"
-                ) from err
+        process 0 calls it itself), without waiting for the device. Elsewhere nothing."""
+        if not self.leading or self.stopped:
+            return
+        data = pickle.dumps((method, args))
+        try:
+            for process in range(1, jax.process_count()):
+                distributed.global_state.client.key_value_set_bytes(_key(process, self.calls), data)
+        except jax.errors.JaxRuntimeError as err:  # the coordination service lost a process
+            self.stopped = True
+            raise ConnectionError(f"process 0 lost the other processes of the engine (one stopped?): {err}") from err
+        self.calls += 1
 
     def stop(self) -> None:
         """On process 0 of several: releases the others from `follow` (no more steps)."""
@@ -103,19 +114,36 @@ class Lockstep:
     def follow(self, runner) -> int:
         """On a process other than 0: makes process 0's runner calls on `runner` until process
         0 stops; returns how many it made."""
-        calls = 0
+        made = 0
         while not self.stopped:
-            try:
-                method, args = pickle.loads(_broadcast(b""))
-            except (RuntimeError, ValueError) as err:
-                self.stopped = True
-                raise ConnectionError(f"process {jax.process_index()} lost process 0 of the engine: {err}") from err
+            method, args = pickle.loads(self._receive())
             if method:
                 getattr(runner, method)(*args)
-                calls += 1
+                made += 1
             else:
                 self.stopped = True
-        return calls
+        return made
+
+    def _receive(self) -> bytes:
+        """Process 0's next call, waiting for as long as process 0 lives."""
+        key = _key(jax.process_index(), self.calls)
+        client = distributed.global_state.client
+        while True:
+            try:
+                data = client.blocking_key_value_get_bytes(key, WAIT_MS)
+                client.key_value_delete(key)
+                break
+            except jax.errors.JaxRuntimeError as err:
+                if "DEADLINE_EXCEEDED" in str(err):  # no call yet: process 0 is idle
+                    continue
+                self.stopped = True
+                raise ConnectionError(f"process {jax.process_index()} lost process 0 of the engine: {err}") from err
+        self.calls += 1
+        return data
+
+
+def _key(process: int, call: int) -> str:
+    return f"jaxengine/lockstep/{process}/{call}"
 
 
 def from_process_0(value):

@@ -58,10 +58,15 @@ def _config(tmp_path: Path, model: Path, **engine) -> Path:
 
 def _start(config: Path, rank: int) -> subprocess.Popen:
     """`jaxengine run CONFIG --node-rank RANK` in a fresh process with one CPU device."""
+    return _python(["-m", "jaxengine", "run", str(config), "--node-rank", str(rank)])
+
+
+def _python(args: list[str]) -> subprocess.Popen:
+    """`python ARGS` in a fresh process with one CPU device."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
     return subprocess.Popen(
-        [sys.executable, "-m", "jaxengine", "run", str(config), "--node-rank", str(rank)],
+        [sys.executable, *args],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -118,3 +123,51 @@ def test_when_a_follower_dies_process_0_stops_with_an_error(tmp_path, tiny_model
     assert "lost the other processes" in err or "Gloo" in err
     assert time.monotonic() - start < 90
     assert not (tmp_path / "outputs.jsonl").exists()
+
+
+# Process 0 sends a call while a slow computation runs on its device, then runs the call's
+# method itself; the follower runs it too. Prints how long the send took and the computation.
+_SEND_WHILE_BUSY = """
+import sys, time
+import jax, jax.numpy as jnp
+from jaxengine.engine import multihost
+multihost.join(sys.argv[1], 2, int(sys.argv[2]), 60)
+lockstep = multihost.Lockstep()
+
+class Runner:
+    def mark(self, value):
+        print("mark", value, flush=True)
+
+x = jnp.ones((1500, 1500), jnp.float32)
+slow = jax.jit(lambda x: jax.lax.fori_loop(0, 12, lambda i, y: jnp.tanh(y @ x), x))
+slow(x).block_until_ready()
+if jax.process_index() == 0:
+    start = time.perf_counter()
+    slow(x).block_until_ready()
+    alone = time.perf_counter() - start
+    busy = slow(x)  # in flight while the call is sent
+    start = time.perf_counter()
+    lockstep.send("mark", 7)
+    sent = time.perf_counter() - start
+    busy.block_until_ready()
+    lockstep.stop()
+    print(f"sent {sent:.4f} s, computation {alone:.4f} s", flush=True)
+else:
+    print("calls", lockstep.follow(Runner()), flush=True)
+"""
+
+
+def test_process_0_sends_a_step_without_waiting_for_the_step_in_flight(tmp_path):
+    """Async scheduling on several processes: process 0 sends step N + 1's call while step N
+    runs on its device (a broadcast over the devices would wait for it)."""
+    script = tmp_path / "send_while_busy.py"
+    script.write_text(_SEND_WHILE_BUSY)
+    address = f"127.0.0.1:{_free_port()}"
+    leader, follower = _python([str(script), address, "0"]), _python([str(script), address, "1"])
+    (rc0, out0, err0), (rc1, out1, err1) = _finish(leader, timeout=120), _finish(follower, timeout=120)
+    assert rc0 == 0, err0
+    assert rc1 == 0, err1
+    assert "mark 7" in out1 and "calls 1" in out1
+    sent, alone = (float(out0.split(word)[1].split()[0]) for word in ("sent", "computation"))
+    assert alone > 0.05, out0  # long enough for the comparison to mean something
+    assert sent < alone / 4, out0
