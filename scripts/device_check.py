@@ -7,7 +7,8 @@ Parts: a roofline probe (HBM bandwidth, bf16 matmul rate) that sets each row's f
 GPU Pallas kernels against their pure-jnp references on real shapes (error and time); the
 engine on a random 1B-parameter Bamba with kernels="auto" and "reference" (decode and
 prefill tokens/s, load and compile times, first greedy tokens compared); verify steps with
-ngram and a draft model; and the default model's start-up. What each row measures, its
+ngram and a draft model; and the default model's start-up, with the step shapes that buy
+nothing there (`bench_shapes.py`). What each row measures, its
 floor and its tolerance: `docs/device-check.md`.
 
 A global deadline (--budget-s, from the start of main) skips the checks that would not fit
@@ -1212,12 +1213,16 @@ def measured_engine_rows(
 
 
 STARTUP = "startup default model"
+STARTUP_SHAPE_ROUNDS = 5  # rounds of every shape's step, timed for `bench_shapes.report`
 
 
 def startup_row() -> Row:
     """The default model started as a user starts it; see the module docstring, part 5."""
     from jaxengine import LLM, SamplingParams  # after JAX's GPU start-up (see build_random_bamba)
     from jaxengine.run_config import DEFAULT_MODEL
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import bench_shapes  # beside this script; imports jaxengine
 
     start = time.perf_counter()
     llm = LLM(DEFAULT_MODEL, compilation_cache_dir=None)
@@ -1229,6 +1234,11 @@ def startup_row() -> Row:
     every = time.perf_counter() - start
     compiles = sorted(steps.compile_seconds.items(), key=lambda item: -item[1])
     slowest = "; ".join(f"{key} {seconds:.1f} s" for key, seconds in compiles[:3])
+    # Which shapes buy nothing here: each shape's step against the shape it falls back to.
+    shapes = bench_shapes.report(
+        bench_shapes.shape_costs(llm, STARTUP_SHAPE_ROUNDS), steps.compile_seconds, bench_shapes.MARGIN
+    )
+    nothing = [r["shape"] for r in shapes if r["buys_nothing"]]
     return Row(
         "startup",
         STARTUP,
@@ -1236,12 +1246,14 @@ def startup_row() -> Row:
         kernel=first,
         unit="s",
         note=f"LLM() {ready:.1f} s, 16 tokens out {first:.1f} s, all {len(steps.ready)} shapes {every:.1f} s; "
-        f"slowest (tokens, seqs, saves, decode): {slowest}",
+        f"slowest (tokens, seqs, saves, decode): {slowest}; {len(nothing)} shapes buy nothing",
         details={
             "ready_s": ready,
             "first_output_s": first,
             "all_shapes_s": every,
             "compile_seconds": {str(key): seconds for key, seconds in compiles},
+            "shapes": shapes,
+            "shapes_buying_nothing": nothing,
         },
     )
 

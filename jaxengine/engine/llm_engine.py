@@ -237,9 +237,10 @@ class LLMEngine:
         """Dispatches the next step, then processes the one in flight before it (if any): the
         device runs step N + 1 while the host reads and processes step N's tokens, and the
         tokens N sampled reach N + 1 on the device (`SamplingBatch.feed_rows`). A step whose
-        inputs need those tokens on the host (grammars, bad words, a speculating sequence's
-        drafts) waits for them instead, as does every step with async_scheduling off; a step
-        in which some sequence speculates is read before the next is built."""
+        inputs need those tokens on the host (grammars, bad words, drafts a speculating
+        sequence may offer) waits for them instead, as does every step with async_scheduling
+        off; a step that verifies drafts, or in which a sequence speculates with a drafter, is
+        read before the next is built (`Speculator.overlaps`)."""
         prev, self._in_flight = self._in_flight, None
         if prev is not None:
             prev.note_if_ready()
@@ -264,17 +265,18 @@ class LLMEngine:
     def _needs_read(self, prev: "_InFlight") -> bool:
         """Whether building the next step needs the host to read `prev`'s tokens first: a
         sequence with a token not read yet whose next draw depends on it on the host (its
-        grammar's mask, its bad words, the drafts it offers when it speculates)."""
-        return any(
-            sampled and (seq.matcher is not None or seq.bad_word_ids or seq.speculates)
-            for seq, sampled in zip(prev.scheduled.seqs, prev.samples)
-        )
+        grammar's mask, its bad words, the drafts it may offer when it speculates)."""
+        pending = [seq for seq, sampled in zip(prev.scheduled.seqs, prev.samples) if sampled]
+        if any(seq.matcher is not None or seq.bad_word_ids for seq in pending):
+            return True
+        speculating = any(seq.speculates for seq in pending)
+        return speculating and self.spec.needs_tokens(self.scheduler.running)
 
     def _dispatch(self, prev: "_InFlight | None") -> "_InFlight | None":
-        """Schedules, builds and dispatches a step (None: nothing to schedule). In a step where
-        no sequence speculates, the bookkeeping that needs no sampled token (pages computed,
-        checkpoints written) is done at once, and each sampling sequence counts a token not
-        read yet (`Sequence.num_unfilled`)."""
+        """Schedules, builds and dispatches a step (None: nothing to schedule). In a step whose
+        tokens may be read later (`Speculator.overlaps`), the bookkeeping that needs no sampled
+        token (pages computed, checkpoints written) is done at once, and each sampling sequence
+        counts a token not read yet (`Sequence.num_unfilled`)."""
         step_start = time.perf_counter()
         if self.spec is not None:
             self.spec.before_step(self.scheduler.running)  # what each sequence offers to verify
@@ -298,7 +300,7 @@ class LLMEngine:
             for i, (seq, n) in enumerate(zip(scheduled.seqs, scheduled.num_tokens))
         ]  # else a prefill chunk that does not reach the end yet, or a completion step
         step = _InFlight(scheduled, shape, out, drafting_next, starts, samples, step_start, start, dispatched)
-        if not any(seq.speculates for seq in scheduled.seqs):  # no drafts to accept on the host
+        if self.spec is None or self.spec.overlaps(scheduled):  # no drafts to accept on the host
             step.early = True
             self.scheduler.update(scheduled)
             for i, seq in enumerate(scheduled.seqs):

@@ -189,22 +189,29 @@ def test_a_sequence_preempted_with_an_unread_token_is_recomputed_in_chunks(tmp_p
 
 def test_a_speculating_engine_overlaps_the_steps_in_which_no_sequence_speculates(tmp_path):
     """Sequences admitted without speculation (the gate's call) decode overlapped; those
-    that speculate have their drafts accepted on the host, so their steps wait. Tokens are a
-    plain engine's either way."""
+    that speculate have their drafts looked up and accepted on the host, so their steps wait.
+    With the gate, a sequence whose lookups find nothing looks up again only when a try is
+    due, and decodes overlapped meanwhile. Tokens are a plain engine's in every case."""
     save_tiny_model("bamba", tmp_path)
     store = dict(compilation_cache_dir=str(tmp_path / "compiled"))
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}  # every sequence speculates
+    always = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}  # every sequence speculates
     prompts = [random_prompt(12, 7) * 3, random_prompt(20, 8)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(tmp_path, **ARGS, **store).generate(prompts, params, use_tqdm=False)]
-    for admitted in (True, False):
+    for case in ("speculating", "not admitted", "adaptive, nothing found"):
+        spec = {**always, "adaptive": True} if case.startswith("adaptive") else always
         llm = LLM(tmp_path, **ARGS, **store, speculative_config=spec)
-        if not admitted:  # as when the gate finds that speculation does not pay
+        lookups = []
+        if case == "not admitted":  # as when the gate finds that speculation does not pay
             llm.engine.scheduler.speculates = lambda load, hit_has_draft_state: False
+        if case.startswith("adaptive"):
+            llm.engine.spec.propose = lambda seq, limit, found=lookups: found.append(seq) or []
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert got == want, admitted
+        assert got == want, case
         stats = llm.stats()
-        if admitted:
-            assert stats["steps_overlapped"] == 0
+        if case == "speculating":  # each decode step waits for the lookup after the one before
+            assert stats["steps_overlapped"] < stats["steps_synchronous"]
         else:
             assert stats["spec_draft_tokens"] == 0 and stats["steps_overlapped"] > stats["steps_synchronous"]
+        if case.startswith("adaptive"):  # one lookup each, then a try after 16 and 32 more steps
+            assert 2 <= len(lookups) <= 2 * 3, len(lookups)

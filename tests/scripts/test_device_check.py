@@ -82,6 +82,8 @@ def test_quick_run_checks_kernels_and_engine(tmp_path, capsys):
     times = startup["details"]
     assert startup["status"] == "ok" and 0 < times["ready_s"] < times["first_output_s"] <= times["all_shapes_s"]
     assert times["compile_seconds"] and all(t > 0 for t in times["compile_seconds"].values())
+    assert len(times["shapes"]) == len(times["compile_seconds"]) and all(r["step_ms"] > 0 for r in times["shapes"])
+    assert times["shapes_buying_nothing"] == [r["shape"] for r in times["shapes"] if r["buys_nothing"]]
     # The table comes last: its header, then one line per row.
     lines = capsys.readouterr().out.rstrip().splitlines()
     assert lines[-len(rows) - 1].startswith("check") and lines[-1].startswith(STARTUP_ROW)

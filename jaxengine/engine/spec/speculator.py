@@ -9,7 +9,7 @@ from jaxengine.engine.batch_builder import Shape
 from jaxengine.engine.scheduler import ScheduledStep
 from jaxengine.engine.sequence import Sequence
 from jaxengine.engine.spec.config import SpeculativeConfig
-from jaxengine.engine.spec.gate import SpeculationGate
+from jaxengine.engine.spec.gate import ProbeBackoff, SpeculationGate
 from jaxengine.engine.spec.ngram import NgramIndex
 from jaxengine.engine.spec.stats import SpecStats
 
@@ -56,12 +56,44 @@ class Speculator:
         running sequence offers to verify."""
         bucket = self._seq_bucket(max(1, len(running)))
         share = _share_speculating(running)
-        if not self.drafts_in_step and (self.gate is None or self.gate.may_open_next(bucket, share)):
-            share = self._ngram_proposals(running) / max(1, len(running))
+        if not self.drafts_in_step:
+            may_open = self.gate is None or self.gate.may_open_next(bucket, share)
+            share = self._ngram_proposals(running, may_open) / max(1, len(running))
         if self.gate is not None:
             self.drafting = self.gate.open(bucket, share)
         for seq in running:
             seq.spec.offered = seq.spec.drafts[: self._draft_limit(seq)] if self.drafting else []
+
+    def needs_tokens(self, running: list[Sequence]) -> bool:
+        """Whether the next step needs its speculating sequences' last tokens on the host:
+        with a drafter always (its inputs are built from them), with ngram where the gate
+        may open (the lookup), so that steps the gate keeps plain overlap as a plain
+        engine's do."""
+        if self.drafts_in_step or self.gate is None:
+            return True
+        if not self.gate.may_open_next(self._seq_bucket(max(1, len(running))), _share_speculating(running)):
+            return False
+        return any(seq.speculates and self.looks_up(seq, commit=False) for seq in running)
+
+    def looks_up(self, seq: Sequence, commit: bool = True) -> bool:
+        """Whether ngram looks up a speculating sequence's drafts in the next step the gate may
+        open: a lookup needs its last token read first (that step then waits for it), so after
+        one that found none, only when its next try is due, each try that still finds none
+        doubling the wait (as the gate's probes do). Always without the gate."""
+        state = seq.spec
+        if self.gate is None or state.found:
+            return True
+        if state.lookups_off is None:
+            state.lookups_off = ProbeBackoff(self.gate.probe_every, self.gate.max_probe_every)
+        return state.lookups_off.due(commit)
+
+    def overlaps(self, scheduled: ScheduledStep) -> bool:
+        """Whether a step's tokens may be read after the next step is dispatched: it verifies
+        no drafts, and none of its sequences speculates with a drafter (whose drafts and
+        inputs are taken on the host)."""
+        if any(scheduled.drafts):
+            return False
+        return not self.drafts_in_step or not any(seq.speculates for seq in scheduled.seqs)
 
     def drafts_next(self, seqs: list[Sequence], num_seqs: int, runs_drafter: bool) -> bool:
         """Whether the step's MTP module or draft model (`runs_drafter`) drafts for the next
@@ -124,13 +156,20 @@ class Speculator:
             ),
         )
 
-    def _ngram_proposals(self, running: list[Sequence]) -> int:
-        """Sets each running sequence's drafts for this step by prompt lookup (only a
-        speculating sequence about to decode has some); how many have some."""
+    def _ngram_proposals(self, running: list[Sequence], may_open: bool) -> int:
+        """Sets each running sequence's drafts for this step by prompt lookup where the gate
+        `may_open` (only a speculating sequence about to decode, its last token read, whose
+        lookup is due has some); how many have some."""
         start = time.perf_counter()
         for seq in running:
             limit = self._draft_limit(seq)
-            seq.spec.drafts = self.propose(seq, limit) if seq.speculates and seq.num_uncomputed == 1 and limit else []
+            due = may_open and seq.speculates and self.looks_up(seq)
+            looks = due and seq.num_uncomputed == 1 and not seq.num_unfilled and limit
+            seq.spec.drafts = self.propose(seq, limit) if looks else []
+            if looks:
+                seq.spec.found = bool(seq.spec.drafts)
+                if seq.spec.found and seq.spec.lookups_off is not None:
+                    seq.spec.lookups_off.reset()
         self.stats.draft_seconds += time.perf_counter() - start
         return sum(1 for seq in running if seq.spec.drafts)
 
