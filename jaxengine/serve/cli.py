@@ -141,11 +141,13 @@ def serve(args: argparse.Namespace) -> None:
     logger.info("serving %s as %r on http://%s:%d/v1", model, name, args.host, args.port)
     # uvicorn handles SIGINT and SIGTERM while it serves (it stops taking requests and lets
     # those in flight finish), then raises the signal again for the handler it found: these
-    # ones, so that the engine is shut down and the process exits 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: None)
+    # ones, so that the engine is shut down and the process exits 0. The handlers before are
+    # put back after (a caller that serves in-process keeps its own Ctrl-C).
+    previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run()
     finally:
         loop.stop(timeout=30)
         llm.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -48,6 +48,15 @@ def expected(model_dir):
     return _tokens(fresh, WORKLOAD, PARAMS), _tokens(fresh, PROBE, [GREEDY, SEEDED])
 
 
+@pytest.fixture(autouse=True)
+def python_ctrl_c():
+    """Ctrl-C as a user's Python has it (`KeyboardInterrupt`), whatever a test run in this
+    process before left as the SIGINT handler."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def llm(model_dir):
     """One engine for the whole module: every test leaves it sound, so faults pile up on it."""
