@@ -5,6 +5,7 @@ requests, usage, cached tokens, metrics and SIGTERM."""
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -136,12 +137,18 @@ def test_prompt_logprobs_and_token_ids(server, reference):
         assert entry[str(token)]["logprob"] == pytest.approx(expected[token].logprob, abs=1e-5)
 
 
+def _wait_for(condition, seconds: float, what: str) -> None:
+    """Polls `condition` until it holds; fails naming `what` after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
+        threading.Event().wait(0.05)
+
+
 def test_a_client_that_stops_waiting_aborts_its_request(server):
     """Not streamed: the server notices the closed connection while the request runs."""
-    for _ in range(100):  # the server idle first, so that the running requests below are this one's
-        if metrics(server)["vllm:num_requests_running"] == 0:
-            break
-        threading.Event().wait(0.1)
+    _wait_for(lambda: metrics(server)["vllm:num_requests_running"] == 0, 120, "the server idle")  # so that the
+    # running requests below are this one's
     aborted = metrics(server).get("vllm:request_success_total/abort", 0)
     body = json.dumps({"prompt": PROMPT, "max_tokens": 450, "n": 16, "ignore_eos": True}).encode()  # seconds
     head = (
@@ -150,16 +157,14 @@ def test_a_client_that_stops_waiting_aborts_its_request(server):
     )
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(head.encode() + body)
-        for _ in range(600):  # until its 16 samples run; then the client hangs up
-            if metrics(server)["vllm:num_requests_running"] >= 16:
-                break
-            threading.Event().wait(0.05)
-    for _ in range(100):
-        m = metrics(server)
-        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
-            break
-        threading.Event().wait(0.1)
-    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+        # until its 16 samples run (a loaded machine may take a while); then the client hangs up
+        _wait_for(lambda: metrics(server)["vllm:num_requests_running"] >= 16, 120, "its 16 samples running")
+    _wait_for(
+        lambda: metrics(server)["vllm:num_requests_running"] == 0 and metrics(server)["vllm:kv_cache_usage_perc"] == 0,
+        120,
+        "the samples gone and their pages given back",
+    )
+    m = metrics(server)
     finished = {k: v for k, v in m.items() if k.startswith("vllm:request_success_total")}
     assert m.get("vllm:request_success_total/abort") == aborted + 16, finished  # aborted, not run to its end
 
