@@ -11,6 +11,7 @@ while setting up (`from_process_0`) go over the devices, where nothing is in fli
 The bytes are pickles: the processes of one engine trust each other.
 """
 
+import itertools
 import logging
 import pickle
 import socket
@@ -25,6 +26,7 @@ logger = logging.getLogger("jaxengine")
 
 _joined: tuple[str, int, int] | None = None  # (address, processes, rank) this process joined with
 WAIT_MS = 1000  # a follower's wait for process 0's next call, renewed until it comes
+_engines = itertools.count()  # the engines (Locksteps) this process created
 
 
 def join(address: str, num_nodes: int, node_rank: int, timeout_s: int) -> None:
@@ -81,13 +83,21 @@ def _wait_for(address: str, timeout_s: int) -> None:
 class Lockstep:
     """Process 0's calls on its model runner, made on every other process's runner too.
 
-    Call n travels under the key `jaxengine/lockstep/<process>/<n>` once for each other
-    process, which reads and deletes it: the store holds only calls not run yet."""
+    Call n of the process's e-th engine travels under the key `jaxengine/lockstep/<e>/<process>/<n>`
+    once for each other process, which reads and deletes it: the store holds only calls not run
+    yet. Every process creates its engines in the same order (the same script), so their
+    numbers agree."""
 
     def __init__(self):
         self.leading = jax.process_count() > 1 and jax.process_index() == 0
         self.stopped = False  # process 0 said there are no more steps
         self.calls = 0  # sent (process 0) or received (the others)
+        self.engine = next(_engines)
+        if jax.process_count() > 1 and distributed.global_state.client is None:
+            raise RuntimeError(
+                "several processes but no jax.distributed client: join them with the engine arguments "
+                "distributed_init_addr / num_nodes / node_rank, or jax.distributed.initialize()"
+            )
 
     def send(self, method: str, *args) -> None:
         """On process 0 of several: tells the others to call `runner.<method>(*args)` (before
@@ -97,7 +107,7 @@ class Lockstep:
         data = pickle.dumps((method, args))
         try:
             for process in range(1, jax.process_count()):
-                distributed.global_state.client.key_value_set_bytes(_key(process, self.calls), data)
+                distributed.global_state.client.key_value_set_bytes(_key(self.engine, process, self.calls), data)
         except jax.errors.JaxRuntimeError as err:  # the coordination service lost a process
             self.stopped = True
             raise ConnectionError(f"process 0 lost the other processes of the engine (one stopped?): {err}") from err
@@ -126,7 +136,7 @@ class Lockstep:
 
     def _receive(self) -> bytes:
         """Process 0's next call, waiting for as long as process 0 lives."""
-        key = _key(jax.process_index(), self.calls)
+        key = _key(self.engine, jax.process_index(), self.calls)
         client = distributed.global_state.client
         while True:
             try:
@@ -142,8 +152,8 @@ class Lockstep:
         return data
 
 
-def _key(process: int, call: int) -> str:
-    return f"jaxengine/lockstep/{process}/{call}"
+def _key(engine: int, process: int, call: int) -> str:
+    return f"jaxengine/lockstep/{engine}/{process}/{call}"
 
 
 def from_process_0(value):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from jaxengine import LLM, SamplingParams
 from jaxengine.engine.spec.acceptance import accept
 from jaxengine.engine.spec.config import SpeculativeConfig
-from jaxengine.engine.spec.gate import SpeculationGate
+from jaxengine.engine.spec.gate import ProbeBackoff, SpeculationGate
 from jaxengine.engine.spec.ngram import NgramIndex
 from jaxengine.engine.step_executables import shape_key
 from jaxengine.run_config import ConfigError, load_run_config
@@ -543,3 +543,14 @@ def test_adaptive_is_on_by_default_and_must_be_a_bool():
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2}, 64).adaptive
     with pytest.raises(ValueError, match="speculative_config.adaptive"):
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}, 64)
+
+
+def test_a_backoff_counts_the_steps_it_could_not_try_in():
+    """ngram's per-sequence lookup backoff: steps in which a lookup could not run (its token
+    unread, the gate shut) count toward the wait but never spend a try."""
+    off = ProbeBackoff(first=4, longest=16)
+    assert [off.due() for _ in range(4)] == [False, False, False, True]  # every 4th, then the wait doubles
+    for _ in range(20):
+        off.tick()  # 20 steps without a chance: the count stops one short of the wait (8)
+    assert off.due(commit=False) and off.due()
+    assert not off.due() and off.wait == 16

@@ -22,6 +22,10 @@ class ProbeBackoff:
     def reset(self) -> None:
         self.count, self.wait = 0, self.first
 
+    def tick(self) -> None:
+        """Counts a call that could not try: the next one that can is due once the wait is up."""
+        self.count = min(self.count + 1, self.wait - 1)
+
     def due(self, commit: bool = True, grow: bool = True) -> bool:
         """Whether this call is a probe; `commit=False` only predicts it."""
         count = self.count + 1

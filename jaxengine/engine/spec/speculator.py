@@ -57,7 +57,7 @@ class Speculator:
         bucket = self._seq_bucket(max(1, len(running)))
         share = _share_speculating(running)
         if not self.drafts_in_step:
-            may_open = self.gate is None or self.gate.may_open_next(bucket, share)
+            may_open = self.gate is None or self.gate.may_open_next(bucket, self._lookup_share(running))
             share = self._ngram_proposals(running, may_open) / max(1, len(running))
         if self.gate is not None:
             self.drafting = self.gate.open(bucket, share)
@@ -66,20 +66,31 @@ class Speculator:
 
     def needs_tokens(self, running: list[Sequence]) -> bool:
         """Whether the next step needs its speculating sequences' last tokens on the host:
-        with a drafter always (its inputs are built from them), with ngram where the gate
-        may open (the lookup), so that steps the gate keeps plain overlap as a plain
-        engine's do."""
+        with a drafter, or ngram without the gate, always (the drafter's inputs are built from
+        them; ngram looks up at every step); with ngram and the gate where the gate may open
+        and a sequence with a token not read yet is due a lookup, so that steps the gate keeps
+        plain overlap as a plain engine's do."""
         if self.drafts_in_step or self.gate is None:
             return True
-        if not self.gate.may_open_next(self._seq_bucket(max(1, len(running))), _share_speculating(running)):
+        if not self.gate.may_open_next(self._seq_bucket(max(1, len(running))), self._lookup_share(running)):
             return False
-        return any(seq.speculates and self.looks_up(seq, commit=False) for seq in running)
+        return any(seq.num_unfilled and self._may_look_up(seq) and self.looks_up(seq, commit=False) for seq in running)
+
+    def _lookup_share(self, running: list[Sequence]) -> float:
+        """The most sequences a lookup can give drafts to, as a share of `running`: those whose
+        lookup is due (what the gate may open on, before the lookups)."""
+        return sum(1 for seq in running if seq.speculates and self.looks_up(seq, commit=False)) / max(1, len(running))
+
+    def _may_look_up(self, seq: Sequence) -> bool:
+        """A speculating sequence about to decode with room for drafts."""
+        return seq.speculates and seq.num_uncomputed == 1 and self._draft_limit(seq) > 0
 
     def looks_up(self, seq: Sequence, commit: bool = True) -> bool:
         """Whether ngram looks up a speculating sequence's drafts in the next step the gate may
         open: a lookup needs its last token read first (that step then waits for it), so after
-        one that found none, only when its next try is due, each try that still finds none
-        doubling the wait (as the gate's probes do). Always without the gate."""
+        one that found none, only when its next try is due — counted in the sequence's steps —
+        each try that still finds none doubling the wait (as the gate's probes do). Always
+        without the gate."""
         state = seq.spec
         if self.gate is None or state.found:
             return True
@@ -163,8 +174,10 @@ class Speculator:
         start = time.perf_counter()
         for seq in running:
             limit = self._draft_limit(seq)
-            due = may_open and seq.speculates and self.looks_up(seq)
-            looks = due and seq.num_uncomputed == 1 and not seq.num_unfilled and limit
+            can = may_open and self._may_look_up(seq) and not seq.num_unfilled
+            looks = can and self.looks_up(seq)
+            if not can and seq.spec.lookups_off is not None and not seq.spec.found:
+                seq.spec.lookups_off.tick()  # a step of its wait in which it could not try
             seq.spec.drafts = self.propose(seq, limit) if looks else []
             if looks:
                 seq.spec.found = bool(seq.spec.drafts)
