@@ -9,8 +9,9 @@ shape up: the cheapest other shape that covers it (`Shape.covers`, the one a ste
 to) runs within `--margin` (5%) of its time. Dropping such a shape saves its compile and costs
 no step time.
 
-The engine (the embedded default model unless `--model`) is built at its defaults (the model's own `max_model_len`, `max_num_seqs` 16),
-every shape compiled before timing and none stored. Each shape runs an all-padding batch
+The engine (the embedded default model unless `--model`) is built at its defaults (the
+model's own `max_model_len`, `max_num_seqs` 16), every shape compiled before timing and none
+stored. Each shape runs an all-padding batch
 (`BatchBuilder.empty`, what warm-up runs): the cost of the shape itself, the same whatever the
 batch holds for the matmuls, a lower bound for kernels whose work follows the real tokens.
 Shapes are timed in rounds, each round every shape once in a shuffled order, and each shape's

@@ -91,12 +91,7 @@ class Speculator:
         one that found none, only when its next try is due — counted in the sequence's steps —
         each try that still finds none doubling the wait (as the gate's probes do). Always
         without the gate."""
-        state = seq.spec
-        if self.gate is None or state.found:
-            return True
-        if state.lookups_off is None:
-            state.lookups_off = ProbeBackoff(self.gate.probe_every, self.gate.max_probe_every)
-        return state.lookups_off.due(commit)
+        return self.gate is None or seq.spec.found or seq.spec.lookups_off.due(commit)
 
     def overlaps(self, scheduled: ScheduledStep) -> bool:
         """Whether a step's tokens may be read after the next step is dispatched: it verifies
@@ -179,10 +174,12 @@ class Speculator:
             if not can and seq.spec.lookups_off is not None and not seq.spec.found:
                 seq.spec.lookups_off.tick()  # a step of its wait in which it could not try
             seq.spec.drafts = self.propose(seq, limit) if looks else []
-            if looks:
+            if looks and self.gate is not None:  # the lookup's outcome sets when it is next due
                 seq.spec.found = bool(seq.spec.drafts)
                 if seq.spec.found and seq.spec.lookups_off is not None:
                     seq.spec.lookups_off.reset()
+                elif not seq.spec.found and seq.spec.lookups_off is None:
+                    seq.spec.lookups_off = ProbeBackoff(self.gate.probe_every, self.gate.max_probe_every)
         self.stats.draft_seconds += time.perf_counter() - start
         return sum(1 for seq in running if seq.spec.drafts)
 

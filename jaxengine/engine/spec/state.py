@@ -20,7 +20,7 @@ class SpecState:
     offered: list[int] = dataclasses.field(default_factory=list)
     ngram: NgramIndex | None = None
     found: bool = True
-    lookups_off: ProbeBackoff | None = None
+    lookups_off: ProbeBackoff | None = None  # set by its first lookup that found nothing
 
     def forget_drafts(self) -> None:
         """Drops drafts made from a state the sequence no longer has (it was preempted)."""
