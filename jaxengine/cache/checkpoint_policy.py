@@ -21,6 +21,14 @@ boundary in that span: the scan produces it (see `pallas_kernels/ssd/reference.p
   every N tokens (the user's choice, grain or not). They fill room nothing more valuable
   needs; a later request that diverges at one of them hits there, which raises it to a used
   checkpoint.
+* *Rungs* (dense only): the candidates 1, 2, 4, 8, ... grains deep, a ladder along every
+  prompt. A request that leaves a cached prompt where nobody left it before finds no
+  junction there, and the candidates it passes are long gone (they rank below all used
+  content); a rung at least half as deep as where it leaves is kept as a used checkpoint of
+  its own kind (`reuse_model.RUNG`), ranked by how often rungs get hit. While deeper
+  checkpoints on its path stay, a rung costs only its own blocks (its pages are held for
+  them), so it is then ranked by the compute it saves over the rung below per checkpoint byte
+  (`hit_value.ModelCosts.rung_value`). A prompt of n grains has log2(n) of them.
 
 The *grain* is the page multiple prefixes have been seen to part at (`divergence_grain.py`):
 one page for traffic that parts anywhere, a block for traffic whose prefixes are equal only in
@@ -38,6 +46,7 @@ class Kind(enum.Enum):
     PROMPT = "prompt"
     JUNCTION = "junction"
     TRAILING = "trailing"
+    RUNG = "rung"
 
     @property
     def origin(self) -> int:
@@ -51,6 +60,7 @@ _ORIGINS = {
     Kind.PROMPT: reuse_model.PROMPT,
     Kind.JUNCTION: reuse_model.JUNCTION,
     Kind.TRAILING: reuse_model.TRAILING,
+    Kind.RUNG: reuse_model.RUNG,
 }
 
 
@@ -90,8 +100,8 @@ def plan(
     """The checkpoints a step over tokens `(start, end]` of one sequence may write, in order.
 
     `grain` pages: where prefixes have been seen to part (`divergence_grain`). The prompt edge
-    is the last multiple of it within `prefill_boundary`, trailing edges and dense candidates
-    lie on its multiples; junctions and an interval's candidates lie where they lie."""
+    is the last multiple of it within `prefill_boundary`, trailing edges, dense candidates and
+    rungs lie on its multiples; junctions and an interval's candidates lie where they lie."""
     out = []
     step = grain * page_size
     prompt_edge = prefill_boundary // step * step
@@ -103,9 +113,17 @@ def plan(
             out.append((pos, Kind.PROMPT))
         elif pos > prefill_boundary and pos % step == 0:
             out.append((pos, Kind.TRAILING))
+        elif pos < prefill_boundary and interval is DENSE and _is_rung(pos, step):
+            out.append((pos, Kind.RUNG))
         elif pos < prefill_boundary and (interval is DENSE and pos % step == 0 or interval and pos % interval == 0):
             out.append((pos, Kind.CANDIDATE))
     return out
+
+
+def _is_rung(pos: int, step: int) -> bool:
+    """A power-of-two multiple of `step` tokens."""
+    grains, rest = divmod(pos, step)
+    return not rest and grains & (grains - 1) == 0
 
 
 def max_per_step(num_tokens: int, num_seqs: int, page_size: int) -> int:

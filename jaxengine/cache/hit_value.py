@@ -25,3 +25,9 @@ class ModelCosts:
     def value_fn(self) -> Callable[[int], float]:
         """`depth -> saved FLOPs per byte held`, the value the eviction rule weighs hits by."""
         return lambda depth: self.prefix_flops(depth) / max(self.hit_bytes(depth), 1)
+
+    def rung_value(self, depth: int) -> float:
+        """What a rung of a prompt's ladder (`checkpoint_policy`) at `depth` saves per byte while
+        deeper checkpoints hold its pages: the compute between it and the rung below (half as
+        deep) per checkpoint byte, the only bytes its eviction frees."""
+        return (self.prefix_flops(depth) - self.prefix_flops(depth // 2)) / max(self.checkpoint_bytes, 1)

@@ -20,9 +20,10 @@ when blocks are needed, in this order:
      first, ranked by `reuse_model.ReuseModel`: expected saved compute per byte per request
      of waiting, learned online from when hit points of each kind got reused. A used
      checkpoint with others below it goes only after them, unless it is a prompt end its
-     sequence has decoded past: a shared prefix's checkpoint is where every request on it
-     falls back to, and it costs little, since the pages it needs are held for those below
-     anyway.
+     sequence has decoded past or a rung of a prompt's ladder not hit yet: a shared prefix's
+     checkpoint is where every request on it falls back to, and it costs little, since the
+     pages it needs are held for those below anyway. (A rung with others below it is ranked
+     by what it saves over the rung below per byte of its own: `rung_value`.)
 When a checkpoint goes, the pages that only it made reachable become dead, so a cold chain
 goes whole before the tails of other chains.
 
@@ -46,7 +47,7 @@ from collections.abc import Callable
 from jaxengine.cache.block_pool import BlockPool
 from jaxengine.cache.divergence_grain import DivergenceGrain
 from jaxengine.cache.prefix_shape import PrefixShape
-from jaxengine.cache.reuse_model import JUNCTION, PAGE, PASSED, PROMPT, ReuseModel, hit_class
+from jaxengine.cache.reuse_model import JUNCTION, PAGE, PASSED, PROMPT, RUNG, ReuseModel, hit_class
 
 NO_FLOOR = (float("inf"), 0)  # running sequences' pages may evict any cache content
 SPECULATIVE = (-1.0, 0)  # the rank of every speculative hit point: below all used content
@@ -76,7 +77,7 @@ class Checkpoint:
 
     node: Node
     blocks: list[int]
-    origin: int  # where it came from: `reuse_model.PROMPT`, `JUNCTION` or `TRAILING`
+    origin: int  # where it came from: `reuse_model.PROMPT`, `JUNCTION`, `TRAILING`, `PASSED` or `RUNG`
     hits: int
     last_use: int  # request clock
     pins: int = 0  # steps about to read it
@@ -115,7 +116,9 @@ class CacheCounters:
 class PrefixCache:
     """Cached pages and checkpoints over a block pool, with their eviction order.
 
-    `value(depth)` is what a hit at `depth` tokens saves per byte held (any unit);
+    `value(depth)` is what a hit at `depth` tokens saves per byte held (any unit), and
+    `rung_value(depth)` what a rung of a prompt's ladder at `depth` saves per byte while
+    checkpoints below it hold its pages (`hit_value.ModelCosts`; `value` if not given);
     `checkpoint_blocks` is 0 for a model without recurrent layers, `has_kv` False for a model
     without attention layers (its nodes then hold no block)."""
 
@@ -127,6 +130,7 @@ class PrefixCache:
         has_kv: bool,
         checkpoint_blocks: int,
         value: Callable[[int], float],
+        rung_value: Callable[[int], float] | None = None,
         enabled: bool = True,
     ):
         self.pool = pool
@@ -134,6 +138,7 @@ class PrefixCache:
         self.has_kv = has_kv
         self.checkpoint_blocks = checkpoint_blocks
         self.value = value
+        self.rung_value = rung_value or value
         self.enabled = enabled
         self.nodes: dict[bytes, Node] = {}
         self.node_of_block: dict[int, Node] = {}
@@ -165,6 +170,8 @@ class PrefixCache:
             return SPECULATIVE
         age = self.now - hit_point.last_use
         cls = hit_class(hit_point.origin, hit_point.hits)
+        if hit_point.origin == RUNG and hit_point.node.checkpoints_below > 1:
+            return self.model.density(cls, age) * self.rung_value(hit_point.depth), hit_point.hits
         return self.model.density(cls, age) * self.value(hit_point.depth), hit_point.hits
 
     def prospective_rank(self, depth: int, origin: int, hits: int) -> tuple[float, int]:
@@ -192,7 +199,7 @@ class PrefixCache:
 
     def _evictable(self, hit_point: Node | Checkpoint) -> bool:
         if isinstance(hit_point, Checkpoint):
-            if hit_point.hits and hit_point.node.checkpoints_below > 1 and hit_point.origin != PASSED:
+            if hit_point.hits and hit_point.node.checkpoints_below > 1 and hit_point.origin not in (PASSED, RUNG):
                 return False  # a used checkpoint goes after those below it (see the module's docstring)
             return self.checkpoints.get(hit_point.node.block_hash) is hit_point and hit_point.pins == 0
         return (
@@ -266,8 +273,8 @@ class PrefixCache:
         if point is None:
             return 1, False
         self.model.reused(hit_class(point.origin, point.hits), self.now - point.last_use)
-        if point.hits == 0 and isinstance(point, Checkpoint):
-            point.origin = JUNCTION  # a speculative checkpoint found its use: prefixes branch there
+        if isinstance(point, Checkpoint) and (point.hits == 0 or point.origin == RUNG):
+            point.origin = JUNCTION  # a candidate or rung found its use: prefixes branch there
         for p in [match.checkpoint] if match.checkpoint is not None else match.nodes:
             p.hits += 1
             p.last_use = self.now

@@ -4,8 +4,8 @@ A hit point (a checkpoint, or a leaf page of an attention-only model) is worth k
 will be hit again soon and a hit saves much. The model estimates the first part from what the
 workload did so far, per *class* of hit point, as a function of its *age* (requests admitted
 since it was made or last used). A class is where the hit point came from (a page, a prompt
-end, a junction, a decode boundary, or a prompt end its sequence has decoded past) and how
-often it has been used (1, 2, 3 or more).
+end, a junction, a decode boundary, a prompt end its sequence has decoded past, or a rung of a
+prompt's ladder, `checkpoint_policy`) and how often it has been used (1, 2, 3 or more).
 Speculative checkpoints (used 0 times, class 0) are not modelled: the cache keeps them in a
 tier below all used content.
 
@@ -33,10 +33,12 @@ import collections
 import dataclasses
 import math
 
-# Where a hit point came from; PASSED: a prompt end its sequence has since decoded past.
-PAGE, PROMPT, JUNCTION, TRAILING, PASSED = range(5)
+# Where a hit point came from; PASSED: a prompt end its sequence has since decoded past;
+# RUNG: a checkpoint of a prompt's ladder (`checkpoint_policy`), not hit yet.
+PAGE, PROMPT, JUNCTION, TRAILING, PASSED, RUNG = range(6)
+NUM_ORIGINS = 6
 HIT_LEVELS = 3  # used once, twice, three times or more
-NUM_CLASSES = 1 + 5 * HIT_LEVELS
+NUM_CLASSES = 1 + NUM_ORIGINS * HIT_LEVELS
 BINS_PER_OCTAVE = 4
 NUM_BINS = 1 + BINS_PER_OCTAVE * 32
 

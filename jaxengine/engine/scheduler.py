@@ -324,11 +324,14 @@ class Scheduler:
     @staticmethod
     def _hits(seq: Sequence, kind: Kind, position: int) -> int:
         """The hit count a new checkpoint at `position` starts with (see `checkpoint_policy`):
-        a junction's is the number of requests that passed there, this one included."""
+        a junction's is the number of requests that passed there, this one included; a rung
+        starts as used once, a kind of its own."""
         if kind is Kind.CANDIDATE:
             return 0
         if kind is Kind.JUNCTION:
             return seq.junctions[position]
+        if kind is Kind.RUNG:
+            return 1
         return seq.heat
 
     # ------------------------------------------------------------------ after a step

@@ -10,8 +10,18 @@ def _plan(start, end, interval, prefill_boundary=40, junction=0):
 
 
 def test_dense_offers_every_page_boundary_the_step_crosses():
-    assert _plan(2, 14, DENSE) == [(4, Kind.CANDIDATE), (8, Kind.CANDIDATE), (12, Kind.CANDIDATE)]
-    assert _plan(12, 16, DENSE)[-1] == (16, Kind.CANDIDATE)  # its end too
+    # Pages 1 and 2 are rungs of the prompt's ladder (power-of-two depths), page 3 a candidate.
+    assert _plan(2, 14, DENSE) == [(4, Kind.RUNG), (8, Kind.RUNG), (12, Kind.CANDIDATE)]
+    assert _plan(12, 16, DENSE)[-1] == (16, Kind.RUNG)  # its end too
+
+
+def test_dense_rungs_lie_at_power_of_two_depths_before_the_prompt_end():
+    got = _plan(0, 160, DENSE, prefill_boundary=150)
+    rungs = [p for p, k in got if k is Kind.RUNG]
+    assert rungs == [4, 8, 16, 32, 64, 128]  # pages 1, 2, 4, 8, 16, 32
+    assert (148, Kind.PROMPT) in got and (160, Kind.TRAILING) in got  # decode boundaries are no rungs
+    assert all(k is not Kind.RUNG for _, k in _plan(0, 160, SPARSE, prefill_boundary=150))
+    assert all(k is not Kind.RUNG for _, k in _plan(0, 160, 16, prefill_boundary=150))
 
 
 def test_sparse_offers_only_edges():
@@ -36,12 +46,12 @@ def test_good_intervals_pass():
 
 def test_a_grain_puts_edges_and_candidates_on_its_multiples():
     # Grain 3 pages (12 tokens): the prompt edge is the last multiple within the prefill (36 of
-    # 40), trailing edges and dense candidates lie on multiples; a junction lies where it lies.
+    # 40), trailing edges, dense candidates and rungs lie on multiples; a junction lies where it lies.
     got = plan(0, 64, page_size=4, interval=DENSE, prefill_boundary=40, junctions={20}, grain=3)
     assert got == [
-        (12, Kind.CANDIDATE),
+        (12, Kind.RUNG),  # one grain deep
         (20, Kind.JUNCTION),
-        (24, Kind.CANDIDATE),
+        (24, Kind.RUNG),  # two
         (36, Kind.PROMPT),
         (48, Kind.TRAILING),
         (60, Kind.TRAILING),

@@ -5,7 +5,7 @@ import pytest
 from jaxengine.cache.block_hash import extend_hashes, root_hash
 from jaxengine.cache.block_pool import BlockPool
 from jaxengine.cache.prefix_cache import PrefixCache
-from jaxengine.cache.reuse_model import JUNCTION, PASSED, PROMPT, TRAILING, hit_class
+from jaxengine.cache.reuse_model import JUNCTION, PASSED, PROMPT, RUNG, TRAILING, hit_class
 
 PAGE = 2
 CKPT = 2  # blocks per checkpoint
@@ -154,6 +154,50 @@ def test_a_prompt_end_decoded_past_is_ranked_as_such_and_may_go_before_those_bel
     assert prompt.origin == PASSED and prompt.hits == 1 and cache._evictable(prompt)
     cache.decoded_past(hashes[5])  # a decode boundary is not a prompt end: unchanged
     assert cache.checkpoints[hashes[5]].origin == TRAILING
+
+
+def test_a_rung_may_go_before_those_below_and_is_ranked_by_what_it_saves_over_the_rung_below():
+    cache = PrefixCache(
+        BlockPool(1 + 6 + 2 * CKPT),
+        page_size=PAGE,
+        has_kv=True,
+        checkpoint_blocks=CKPT,
+        value=lambda depth: float(depth),
+        rung_value=lambda depth: 1000.0 + depth,
+    )
+    hashes = extend_hashes([], [1] * 12, PAGE, root_hash(None))
+    blocks = cache.allocate(6)
+    for i, (block, h) in enumerate(zip(blocks, hashes)):
+        cache.register(block, h, hashes[i - 1] if i else None, (i + 1) * PAGE, 1)
+    for depth, origin in ((4, RUNG), (12, PROMPT)):
+        cache.commit(cache.reserve_checkpoint(depth, origin, 1), hashes[depth // PAGE - 1], origin, 1)
+    cache.release(blocks)
+    rung, prompt = cache.checkpoints[hashes[1]], cache.checkpoints[hashes[5]]
+    assert rung.node.checkpoints_below == 2 and cache._evictable(rung)  # a used prompt end there would wait
+    density = cache.model.density(hit_class(RUNG, 1), 0)
+    assert cache.rank(rung) == (density * 1004.0, 1)  # the prompt end below holds its pages
+    cache._drop_checkpoint(prompt)
+    assert cache.rank(rung) == (density * 4.0, 1)  # alone on its path: its pages are its own
+
+
+def test_a_hit_on_a_rung_is_counted_as_a_rungs_reuse_and_makes_it_a_junction():
+    cache = _cache(1 + 6 + 2 * CKPT)
+    hashes = extend_hashes([], [1] * 12, PAGE, root_hash(None))
+    blocks = cache.allocate(6)
+    for i, (block, h) in enumerate(zip(blocks, hashes)):
+        cache.register(block, h, hashes[i - 1] if i else None, (i + 1) * PAGE, 1)
+    cache.commit(cache.reserve_checkpoint(4, RUNG, 1), hashes[1], RUNG, 1)
+    cache.release(blocks)
+    for _ in range(3):
+        cache.now += 1
+    before = cache.model.hist[hit_class(RUNG, 1)].reuses[:]
+    other = extend_hashes([], [1] * 6 + [2] * 6, PAGE, root_hash(None))  # leaves after 3 pages
+    match = cache.match(other)
+    assert match.checkpoint is cache.checkpoints[hashes[1]] and match.hit_pages == 2
+    hits, continues = cache.record_hit(match)
+    assert (hits, continues) == (1, False)  # a branch off it starts a new prefix
+    assert match.checkpoint.origin == JUNCTION and match.checkpoint.hits == 2
+    assert sum(cache.model.hist[hit_class(RUNG, 1)].reuses) == pytest.approx(sum(before) + 1)
 
 
 def test_a_checkpoint_left_out_for_want_of_room_teaches_the_ranking_when_wanted():

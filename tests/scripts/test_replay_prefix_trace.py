@@ -94,6 +94,22 @@ def test_hybrid_hits_where_a_checkpoint_was_left(shared_prefix_trace, retention,
     assert result["lost_tokens"] == (32 if retention == "sparse" else 0)
 
 
+def test_a_request_leaving_a_long_prompt_where_nobody_left_it_hits_a_rung(tmp_path):
+    # Request 0: a 640-token prompt (40 pages). The room left beside its pages holds its prompt
+    # end and its rungs (pages 1, 2, 4, 8, 16, 32) but only a few candidates, the deepest,
+    # which go first when the cache is trimmed to the budget. Request 1 leaves it after 27
+    # pages, where nobody left it before: no junction, no candidate there. It hits the rung
+    # at 16 pages (256 tokens); without rungs (sparse) nothing.
+    prompt = list(range(1, 641))
+    trace = _write(tmp_path / "leave.jsonl", [(prompt, [7] * 4), (prompt[:432] + [9] * 50, [7] * 4)])
+    page = 2 * 2 * 16 * 2 * 48 * 4  # one block
+    dense = _run(trace, HYBRID, "--budget-bytes", str(200 * page))
+    assert [r["hit_tokens"] for r in dense["per_request"]] == [0, 256]
+    assert dense["lost_tokens"] == 432 - 256
+    sparse = _run(trace, HYBRID, "--budget-bytes", str(200 * page), "--retention", "sparse")
+    assert [r["hit_tokens"] for r in sparse["per_request"]] == [0, 0]
+
+
 def test_plain_transformer_hits_at_every_full_cached_page(shared_prefix_trace, llama_dir):
     # Without Mamba layers any run of cached full pages is a hit: request 1 already takes
     # pages 0-1 (32 tokens); request 3 takes pages 0-3 (64 tokens).
