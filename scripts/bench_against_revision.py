@@ -1,0 +1,104 @@
+"""This checkout's engine against an earlier revision of itself, at the defaults a user gets:
+output tokens/s of greedy decode on the embedded default model, batch by batch.
+
+Two versions of one package cannot share a process, so each runs in processes of its own
+(the revision from a `git worktree` of it), the two taking turns `--pairs` times so that
+the machine's drift falls on both alike; each process compiles or loads every step shape
+first (no background compile; one persistent compilation cache per version, so only the
+first process of each compiles), warms up, then times `--runs` generates. Reported: the
+median tokens/s of each version and the median of the per-pair ratios (this checkout over
+the revision).
+
+    python scripts/bench_against_revision.py --revision f927afe [--batch-sizes 16] \
+        [--max-tokens 256] [--pairs 8] [--runs 3] [--json OUT]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Runs under either version: only the offline API both have (`LLM`, `SamplingParams`,
+# `generate`); prints one JSON line of tokens/s per batch size.
+WORKER = """
+import json, statistics, sys, time
+from jaxengine import LLM, SamplingParams
+from jaxengine.run_config import DEFAULT_MODEL
+cache, max_tokens, runs, *batches = sys.argv[1:]
+llm = LLM(DEFAULT_MODEL, background_compile=False, compilation_cache_dir=cache)
+params = SamplingParams(max_tokens=int(max_tokens), temperature=0, ignore_eos=True)
+result = {}
+for batch in map(int, batches):
+    prompts = [f"def function_{i}(x):" for i in range(batch)]
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    rates = []
+    for _ in range(int(runs)):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
+    result[batch] = statistics.median(rates)
+print("RESULT " + json.dumps(result))
+"""
+
+
+def run_worker(source: Path, cache: Path, args: argparse.Namespace) -> dict[int, float]:
+    """One process of the version at `source`: its median tokens/s per batch size."""
+    env = {**os.environ, "PYTHONPATH": str(source)}
+    cmd = [sys.executable, "-c", WORKER, str(cache), str(args.max_tokens), str(args.runs)]
+    cmd += [str(b) for b in args.batch_sizes]
+    out = subprocess.run(cmd, env=env, cwd=source, capture_output=True, text=True, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise SystemExit(f"the worker at {source} failed:\n{out.stderr[-4000:]}")
+    return {int(k): v for k, v in json.loads(lines[-1].removeprefix("RESULT ")).items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--revision", required=True, help="a git revision of this repository")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16])
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=3, help="timed generates per process")
+    parser.add_argument("--json", help="write the results here too")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="jaxengine-revision-") as tmp:
+        base = Path(tmp) / "revision"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), args.revision], check=True)
+        try:
+            sources = {"this checkout": REPO, args.revision: base}
+            caches = {name: Path(tmp) / f"cache-{i}" for i, name in enumerate(sources)}
+            rates: dict[str, list[dict[int, float]]] = {name: [] for name in sources}
+            for pair in range(args.pairs):
+                order = list(sources) if pair % 2 == 0 else list(sources)[::-1]
+                for name in order:
+                    rates[name].append(run_worker(sources[name], caches[name], args))
+                print(f"pair {pair}: " + ", ".join(f"{n} {rates[n][-1]}" for n in sources), flush=True)
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
+    results = {}
+    for batch in args.batch_sizes:
+        ours = [r[batch] for r in rates["this checkout"]]
+        theirs = [r[batch] for r in rates[args.revision]]
+        results[batch] = {
+            "this_checkout_tokens_per_s": statistics.median(ours),
+            "revision_tokens_per_s": statistics.median(theirs),
+            "ratio": statistics.median(a / b for a, b in zip(ours, theirs)),
+        }
+        print(
+            f"batch {batch}: this checkout {results[batch]['this_checkout_tokens_per_s']:.1f} tok/s, "
+            f"{args.revision} {results[batch]['revision_tokens_per_s']:.1f} tok/s, "
+            f"ratio {results[batch]['ratio']:.3f} (median of {args.pairs} pairs)"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"revision": args.revision, **vars(args), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
