@@ -2,7 +2,7 @@
 
 A step that computes tokens `(start, end]` of a sequence can store the state after any page
 boundary in that span: the scan produces it (see `pallas_kernels/ssd/reference.py`,
-`ssd_states_at`). Two kinds of checkpoint come out of it:
+`ssd_states_at`). Three kinds of checkpoint come out of it:
 
 * *Edges*, written whenever there is room at their priority:
     - the prompt end: the last boundary of what the sequence prefills that lies on the grain
@@ -28,7 +28,7 @@ boundary in that span: the scan produces it (see `pallas_kernels/ssd/reference.p
   its own kind (`reuse_model.RUNG`), ranked by how often rungs get hit. While deeper
   checkpoints on its path stay, a rung costs only its own blocks (its pages are held for
   them), so it is then ranked by the compute it saves over the rung below per checkpoint byte
-  (`hit_value.ModelCosts.rung_value`). A prompt of n grains has log2(n) of them.
+  (`hit_value.ModelCosts.rung_value`). A prompt of n grains has about log2(n) of them.
 
 The *grain* is the page multiple prefixes have been seen to part at (`divergence_grain.py`):
 one page for traffic that parts anywhere, a block for traffic whose prefixes are equal only in
@@ -81,7 +81,7 @@ def validate_interval(interval: int | None, page_size: int) -> None:
 
 def describe_interval(interval: int | None) -> str:
     if interval is DENSE:
-        return "dense (a checkpoint candidate at every page boundary)"
+        return "dense (a checkpoint candidate at every page boundary, a ladder of rungs along each prompt)"
     if interval == SPARSE:
         return "sparse (prompt ends, junctions and decode boundaries only)"
     return f"a checkpoint candidate every {interval} tokens"

@@ -118,7 +118,8 @@ class PrefixCache:
 
     `value(depth)` is what a hit at `depth` tokens saves per byte held (any unit), and
     `rung_value(depth)` what a rung of a prompt's ladder at `depth` saves per byte while
-    checkpoints below it hold its pages (`hit_value.ModelCosts`; `value` if not given);
+    checkpoints below it hold its pages (`hit_value.ModelCosts`; `value` if not given; a model
+    without attention layers has no pages, so its rungs are valued like any checkpoint);
     `checkpoint_blocks` is 0 for a model without recurrent layers, `has_kv` False for a model
     without attention layers (its nodes then hold no block)."""
 
@@ -170,7 +171,8 @@ class PrefixCache:
             return SPECULATIVE
         age = self.now - hit_point.last_use
         cls = hit_class(hit_point.origin, hit_point.hits)
-        if hit_point.origin == RUNG and hit_point.node.checkpoints_below > 1:
+        if hit_point.origin == RUNG and self.has_kv and hit_point.node.checkpoints_below > 1:
+            # Checkpoints below hold its pages: evicting it frees its own blocks only.
             return self.model.density(cls, age) * self.rung_value(hit_point.depth), hit_point.hits
         return self.model.density(cls, age) * self.value(hit_point.depth), hit_point.hits
 
@@ -433,6 +435,15 @@ class PrefixCache:
         while n is not None:
             n.checkpoints_below += 1
             self._dead.pop(n, None)
+            above = n.checkpoint
+            if (
+                n is not node
+                and above is not None
+                and above.origin == RUNG
+                and n.checkpoints_below == 2
+                and not above.pins
+            ):
+                self._push(above)  # a rung whose pages this one now holds: its rank changed (`rank`)
             n = n.parent
         self.counters.checkpoints_written += 1
         self._push(ckpt)

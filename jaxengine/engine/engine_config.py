@@ -60,9 +60,10 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     num_ssm_slots: int | None = None  # live recurrent-state slots; default: two per sequence
     enable_prefix_caching: bool = True
-    # vLLM's knob: None = dense (a checkpoint candidate at every page boundary), 0 = sparse
-    # (prompt ends, junctions and decode boundaries), N = a candidate every N tokens (a
-    # multiple of page_size). "auto": dense for every model with recurrent layers.
+    # vLLM's knob: None = dense (a checkpoint candidate at every page boundary, and rungs:
+    # `checkpoint_policy`), 0 = sparse (prompt ends, junctions and decode boundaries), N = a
+    # candidate every N tokens (a multiple of page_size). "auto": dense for every model with
+    # recurrent layers.
     prefix_cache_retention_interval: int | str | None = AUTO
     max_logprobs: int = 20
     kernels: str = "auto"  # see jaxengine/models/kernels.py

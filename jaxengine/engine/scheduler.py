@@ -291,8 +291,8 @@ class Scheduler:
         return seq.spec.offered[: budget - 1]
 
     def _plan_saves(self, step: ScheduledStep) -> list[CheckpointSave]:
-        """The checkpoints this step stores, where the cache has room for them: edges first,
-        then candidates deepest first (a step's candidates may not all fit)."""
+        """The checkpoints this step stores, where the cache has room for them: edges and rungs
+        first, then candidates, deepest first (a step's candidates may not all fit)."""
         if not self.cache.recurrent or not self.caching:
             return []
         wanted = []

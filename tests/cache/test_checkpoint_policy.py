@@ -20,6 +20,8 @@ def test_dense_rungs_lie_at_power_of_two_depths_before_the_prompt_end():
     rungs = [p for p, k in got if k is Kind.RUNG]
     assert rungs == [4, 8, 16, 32, 64, 128]  # pages 1, 2, 4, 8, 16, 32
     assert (148, Kind.PROMPT) in got and (160, Kind.TRAILING) in got  # decode boundaries are no rungs
+    assert (32, Kind.PROMPT) in _plan(0, 40, DENSE, prefill_boundary=32)  # an edge wins
+    assert (16, Kind.JUNCTION) in _plan(0, 40, DENSE, junction=16)
     assert all(k is not Kind.RUNG for _, k in _plan(0, 160, SPARSE, prefill_boundary=150))
     assert all(k is not Kind.RUNG for _, k in _plan(0, 160, 16, prefill_boundary=150))
 

@@ -169,15 +169,40 @@ def test_a_rung_may_go_before_those_below_and_is_ranked_by_what_it_saves_over_th
     blocks = cache.allocate(6)
     for i, (block, h) in enumerate(zip(blocks, hashes)):
         cache.register(block, h, hashes[i - 1] if i else None, (i + 1) * PAGE, 1)
-    for depth, origin in ((4, RUNG), (12, PROMPT)):
-        cache.commit(cache.reserve_checkpoint(depth, origin, 1), hashes[depth // PAGE - 1], origin, 1)
+    cache.commit(cache.reserve_checkpoint(4, RUNG, 1), hashes[1], RUNG, 1)
+    cache._refresh_ranks()  # ranked in this clock tick, alone on its path
+    cache.commit(cache.reserve_checkpoint(12, PROMPT, 1), hashes[5], PROMPT, 1)  # a later chunk
     cache.release(blocks)
+    cache.check_invariants()
     rung, prompt = cache.checkpoints[hashes[1]], cache.checkpoints[hashes[5]]
     assert rung.node.checkpoints_below == 2 and cache._evictable(rung)  # a used prompt end there would wait
     density = cache.model.density(hit_class(RUNG, 1), 0)
     assert cache.rank(rung) == (density * 1004.0, 1)  # the prompt end below holds its pages
+    # The eviction order has it at that rank in the same tick: a checkpoint ranked between its
+    # rank alone (4) and now (1004) finds nothing it may displace.
+    assert cache.pool.num_free == 0
+    assert cache.reserve_checkpoint(8, PROMPT, 1) is None and hashes[1] in cache.checkpoints
     cache._drop_checkpoint(prompt)
     assert cache.rank(rung) == (density * 4.0, 1)  # alone on its path: its pages are its own
+
+
+def test_without_attention_layers_a_rung_is_valued_like_any_checkpoint():
+    cache = PrefixCache(
+        BlockPool(1 + 2 * CKPT),
+        page_size=PAGE,
+        has_kv=False,
+        checkpoint_blocks=CKPT,
+        value=lambda depth: float(depth),
+        rung_value=lambda depth: 1000.0 + depth,
+    )
+    hashes = extend_hashes([], [1] * 12, PAGE, root_hash(None))
+    for i, h in enumerate(hashes):
+        cache.register(0, h, hashes[i - 1] if i else None, (i + 1) * PAGE, 1)
+    for depth, origin in ((4, RUNG), (12, PROMPT)):
+        cache.commit(cache.reserve_checkpoint(depth, origin, 1), hashes[depth // PAGE - 1], origin, 1)
+    rung = cache.checkpoints[hashes[1]]
+    assert rung.node.checkpoints_below == 2  # no pages held for the one below: only its own blocks
+    assert cache.rank(rung) == (cache.model.density(hit_class(RUNG, 1), 0) * 4.0, 1)
 
 
 def test_a_hit_on_a_rung_is_counted_as_a_rungs_reuse_and_makes_it_a_junction():
