@@ -171,10 +171,10 @@ class PrefixCache:
             return SPECULATIVE
         age = self.now - hit_point.last_use
         cls = hit_class(hit_point.origin, hit_point.hits)
-        if hit_point.origin == RUNG and self.has_kv and hit_point.node.checkpoints_below > 1:
-            # Checkpoints below hold its pages: evicting it frees its own blocks only.
-            return self.model.density(cls, age) * self.rung_value(hit_point.depth), hit_point.hits
-        return self.model.density(cls, age) * self.value(hit_point.depth), hit_point.hits
+        # A rung whose pages checkpoints below it hold frees only its own blocks when evicted.
+        held = hit_point.origin == RUNG and self.has_kv and hit_point.node.checkpoints_below > 1
+        value = self.rung_value if held else self.value
+        return self.model.density(cls, age) * value(hit_point.depth), hit_point.hits
 
     def prospective_rank(self, depth: int, origin: int, hits: int) -> tuple[float, int]:
         """The rank a checkpoint written now at `depth` would get."""

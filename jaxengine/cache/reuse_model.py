@@ -36,7 +36,7 @@ import math
 # Where a hit point came from; PASSED: a prompt end its sequence has since decoded past;
 # RUNG: a checkpoint of a prompt's ladder (`checkpoint_policy`), not hit yet.
 PAGE, PROMPT, JUNCTION, TRAILING, PASSED, RUNG = range(6)
-NUM_ORIGINS = 6
+NUM_ORIGINS = RUNG + 1
 HIT_LEVELS = 3  # used once, twice, three times or more
 NUM_CLASSES = 1 + NUM_ORIGINS * HIT_LEVELS
 BINS_PER_OCTAVE = 4

@@ -11,23 +11,31 @@ PAGE = 2
 CKPT = 2  # blocks per checkpoint
 
 
-def _cache(num_blocks: int, *, recurrent: bool = True) -> PrefixCache:
+def _cache(num_blocks: int, *, recurrent: bool = True, has_kv: bool = True, rung_value=None) -> PrefixCache:
     return PrefixCache(
         BlockPool(num_blocks),
         page_size=PAGE,
-        has_kv=True,
+        has_kv=has_kv,
         checkpoint_blocks=CKPT if recurrent else 0,
         value=lambda depth: float(depth),
+        rung_value=rung_value,
     )
+
+
+def _register(cache: PrefixCache, tokens: list[int]) -> tuple[list[bytes], list[int]]:
+    """Registers `tokens`' full pages as a running sequence computes them (in blocks it holds,
+    or none for a model without attention layers); returns the page hashes and the blocks."""
+    hashes = extend_hashes([], tokens, PAGE, root_hash(None))
+    blocks = cache.allocate(len(hashes)) if cache.has_kv else [0] * len(hashes)
+    for i, (block, h) in enumerate(zip(blocks, hashes)):
+        cache.register(block, h, hashes[i - 1] if i else None, (i + 1) * PAGE, 1)
+    return hashes, blocks
 
 
 def _store(cache: PrefixCache, tokens: list[int], checkpoint_at: list[int], hits: int = 1) -> list[bytes]:
     """Registers `tokens`' full pages as a finished sequence leaves them, with checkpoints
     (of `hits`) after the given numbers of tokens; returns the page hashes."""
-    hashes = extend_hashes([], tokens, PAGE, root_hash(None))
-    blocks = cache.allocate(len(hashes))
-    for i, (block, h) in enumerate(zip(blocks, hashes)):
-        cache.register(block, h, hashes[i - 1] if i else None, (i + 1) * PAGE, 1)
+    hashes, blocks = _register(cache, tokens)
     for depth in checkpoint_at:
         ckpt_blocks = cache.reserve_checkpoint(depth, TRAILING, hits)
         assert ckpt_blocks is not None
@@ -141,10 +149,7 @@ def test_a_used_checkpoint_goes_only_after_those_below_it():
 
 def test_a_prompt_end_decoded_past_is_ranked_as_such_and_may_go_before_those_below():
     cache = _cache(1 + 6 + 2 * CKPT)
-    hashes = extend_hashes([], [1] * 12, PAGE, root_hash(None))
-    blocks = cache.allocate(6)
-    for i, (block, h) in enumerate(zip(blocks, hashes)):
-        cache.register(block, h, hashes[i - 1] if i else None, (i + 1) * PAGE, 1)
+    hashes, blocks = _register(cache, [1] * 12)
     for depth, origin in ((8, PROMPT), (12, TRAILING)):
         cache.commit(cache.reserve_checkpoint(depth, origin, 1), hashes[depth // PAGE - 1], origin, 1)
     cache.release(blocks)
@@ -157,18 +162,8 @@ def test_a_prompt_end_decoded_past_is_ranked_as_such_and_may_go_before_those_bel
 
 
 def test_a_rung_may_go_before_those_below_and_is_ranked_by_what_it_saves_over_the_rung_below():
-    cache = PrefixCache(
-        BlockPool(1 + 6 + 2 * CKPT),
-        page_size=PAGE,
-        has_kv=True,
-        checkpoint_blocks=CKPT,
-        value=lambda depth: float(depth),
-        rung_value=lambda depth: 1000.0 + depth,
-    )
-    hashes = extend_hashes([], [1] * 12, PAGE, root_hash(None))
-    blocks = cache.allocate(6)
-    for i, (block, h) in enumerate(zip(blocks, hashes)):
-        cache.register(block, h, hashes[i - 1] if i else None, (i + 1) * PAGE, 1)
+    cache = _cache(1 + 6 + 2 * CKPT, rung_value=lambda depth: 1000.0 + depth)
+    hashes, blocks = _register(cache, [1] * 12)
     cache.commit(cache.reserve_checkpoint(4, RUNG, 1), hashes[1], RUNG, 1)
     cache._refresh_ranks()  # ranked in this clock tick, alone on its path
     cache.commit(cache.reserve_checkpoint(12, PROMPT, 1), hashes[5], PROMPT, 1)  # a later chunk
@@ -187,17 +182,8 @@ def test_a_rung_may_go_before_those_below_and_is_ranked_by_what_it_saves_over_th
 
 
 def test_without_attention_layers_a_rung_is_valued_like_any_checkpoint():
-    cache = PrefixCache(
-        BlockPool(1 + 2 * CKPT),
-        page_size=PAGE,
-        has_kv=False,
-        checkpoint_blocks=CKPT,
-        value=lambda depth: float(depth),
-        rung_value=lambda depth: 1000.0 + depth,
-    )
-    hashes = extend_hashes([], [1] * 12, PAGE, root_hash(None))
-    for i, h in enumerate(hashes):
-        cache.register(0, h, hashes[i - 1] if i else None, (i + 1) * PAGE, 1)
+    cache = _cache(1 + 2 * CKPT, has_kv=False, rung_value=lambda depth: 1000.0 + depth)
+    hashes, _ = _register(cache, [1] * 12)
     for depth, origin in ((4, RUNG), (12, PROMPT)):
         cache.commit(cache.reserve_checkpoint(depth, origin, 1), hashes[depth // PAGE - 1], origin, 1)
     rung = cache.checkpoints[hashes[1]]
@@ -207,10 +193,7 @@ def test_without_attention_layers_a_rung_is_valued_like_any_checkpoint():
 
 def test_a_hit_on_a_rung_is_counted_as_a_rungs_reuse_and_makes_it_a_junction():
     cache = _cache(1 + 6 + 2 * CKPT)
-    hashes = extend_hashes([], [1] * 12, PAGE, root_hash(None))
-    blocks = cache.allocate(6)
-    for i, (block, h) in enumerate(zip(blocks, hashes)):
-        cache.register(block, h, hashes[i - 1] if i else None, (i + 1) * PAGE, 1)
+    hashes, blocks = _register(cache, [1] * 12)
     cache.commit(cache.reserve_checkpoint(4, RUNG, 1), hashes[1], RUNG, 1)
     cache.release(blocks)
     for _ in range(3):
