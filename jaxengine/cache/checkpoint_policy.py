@@ -51,7 +51,9 @@ class Kind(enum.Enum):
     @property
     def origin(self) -> int:
         """The origin the eviction ranking learns reuse per (`reuse_model`): a candidate
-        that a request hits has turned out to be where prefixes branch, like a junction."""
+        that a request hits has turned out to be where prefixes branch, like a junction (or,
+        where the request goes on along cached pages past it, a fallback on that path:
+        `PrefixCache.record_hit`)."""
         return _ORIGINS[self]
 
 

@@ -4,7 +4,7 @@ A hit point (a checkpoint, or a leaf page of an attention-only model) is worth k
 will be hit again soon and a hit saves much. The model estimates the first part from what the
 workload did so far, per *class* of hit point, as a function of its *age* (requests admitted
 since it was made or last used). A class is where the hit point came from (a page, a prompt
-end, a junction, a decode boundary, a prompt end its sequence has decoded past, or a rung of a
+end, a junction, a decode boundary, a checkpoint requests went past, or a rung of a
 prompt's ladder, `checkpoint_policy`) and how often it has been used (1, 2, 3 or more).
 Speculative checkpoints (used 0 times, class 0) are not modelled: the cache keeps them in a
 tier below all used content.
@@ -33,7 +33,8 @@ import collections
 import dataclasses
 import math
 
-# Where a hit point came from; PASSED: a prompt end its sequence has since decoded past;
+# Where a hit point came from; PASSED: a checkpoint requests went past, a prompt end its
+# sequence has since decoded past or a candidate a request resumed from on a cached path;
 # RUNG: a checkpoint of a prompt's ladder (`checkpoint_policy`), not hit yet.
 PAGE, PROMPT, JUNCTION, TRAILING, PASSED, RUNG = range(6)
 NUM_ORIGINS = RUNG + 1

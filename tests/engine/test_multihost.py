@@ -120,7 +120,10 @@ def test_when_a_follower_dies_process_0_stops_with_an_error(tmp_path, tiny_model
     start = time.monotonic()
     rc, _, err = _finish(leader, timeout=120)
     assert rc != 0
-    assert "lost the other processes" in err or "Gloo" in err
+    # Our error, gloo's, or (when the machine is loaded and the coordination service notices
+    # first) JAX's own: each says the other process is gone.
+    lost = ("lost the other processes", "Gloo", "distributed service detected fatal errors")
+    assert any(message in err for message in lost), err[-2000:]
     assert time.monotonic() - start < 90
     assert not (tmp_path / "outputs.jsonl").exists()
 
