@@ -51,8 +51,8 @@ class Kind(enum.Enum):
     @property
     def origin(self) -> int:
         """The origin the eviction ranking learns reuse per (`reuse_model`): a candidate
-        that a request hits has turned out to be where prefixes branch, like a junction (or,
-        where the request goes on along cached pages past it, a fallback on that path:
+        that a request hits has turned out to be where prefixes branch, like a junction
+        (unless the request goes on past it along a cached path nothing branches from:
         `PrefixCache.record_hit`)."""
         return _ORIGINS[self]
 

@@ -20,8 +20,8 @@ when blocks are needed, in this order:
      first, ranked by `reuse_model.ReuseModel`: expected saved compute per byte per request
      of waiting, learned online from when hit points of each kind got reused. A used
      checkpoint with others below it goes only after them, unless requests went past it (a
-     prompt end its sequence has decoded past, a candidate a request resumed from on a
-     cached path) or it is a rung of a prompt's ladder not hit yet: a shared prefix's
+     prompt end its sequence has decoded past, a candidate a running request resumed from
+     on a cached path) or it is a rung of a prompt's ladder not hit yet: a shared prefix's
      checkpoint is where every request on it falls back to, and it costs little, since the
      pages it needs are held for those below anyway. (A rung with others below it is ranked
      by what it saves over the rung below per byte of its own: `rung_value`.)
@@ -31,9 +31,10 @@ goes whole before the tails of other chains.
 A new checkpoint only evicts content ranked at or below its own prospective rank: a
 speculative one only ever displaces speculative ones (or dead pages, or free blocks), so
 dense candidates fill room that used content does not need and never flood it. A request
-that diverges at one of them hits there, which makes it used: a junction; one that resumes
-there and goes on along cached pages (the path's deeper checkpoint is gone) makes it a
-passed checkpoint, which may go before those below it.
+that diverges at one of them hits there, which makes it used: a junction. One that resumes
+there and goes on along the cached pages of a path nothing branches from (the path's deeper
+checkpoint is gone) continues that path: its own edge checkpoint supersedes the candidate
+again, as a conversation's next turn supersedes the one it resumed from.
 
 Where checkpoints are written is the scheduler's (`checkpoint_policy.plan`), from what the
 cache knows of where prefixes part: the shape of recently seen prefixes, kept after their
@@ -269,9 +270,9 @@ class PrefixCache:
         """Counts an admitted request (the clock) and its use of the hit. Returns the hit count
         the sequence's own checkpoints and pages start with, and whether it *continues* the
         hit: it resumes where an earlier sequence stopped decoding and nothing else continues
-        there (a conversation's next turn), or at a fallback on a cached path it goes on
-        along. Then it carries on the hit's count, else it starts from 1 (a branch off a
-        shared prefix is a new prefix)."""
+        there (a conversation's next turn, or a request that resumes at a candidate on a path
+        nothing branches from and goes on along its cached pages). Then it carries on the
+        hit's count, else it starts from 1 (a branch off a shared prefix is a new prefix)."""
         self.now += 1
         if match.parted_at:
             self.divergences.observe(match.parted_at)
@@ -279,10 +280,12 @@ class PrefixCache:
         if point is None:
             return 1, False
         self.model.reused(hit_class(point.origin, point.hits), self.now - point.last_use)
-        if isinstance(point, Checkpoint) and point.hits == 0 and match.reach_pages > match.hit_pages:
-            # A candidate (or a superseded edge) on a path whose deeper checkpoint is gone: the
-            # request resumes there and goes on along pages an earlier request left, so this
-            # is a fallback on that path, not where prefixes branch (see `PASSED`).
+        resumes = match.reach_pages > match.hit_pages and isinstance(point, Checkpoint) and point.node.children == 1
+        if resumes and point.hits == 0:
+            # A candidate (or a superseded edge) on a path nothing branches from: the request
+            # goes on past it along pages an earlier request left, so it resumes that path
+            # here, like a conversation's next turn at its last checkpoint: its own edge
+            # supersedes this one later (`supersede`); until then it is one requests went past.
             point.origin = PASSED
         elif isinstance(point, Checkpoint) and (point.hits == 0 or point.origin == RUNG):
             point.origin = JUNCTION  # a candidate or rung found its use: prefixes branch there

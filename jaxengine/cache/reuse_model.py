@@ -34,7 +34,7 @@ import dataclasses
 import math
 
 # Where a hit point came from; PASSED: a checkpoint requests went past, a prompt end its
-# sequence has since decoded past or a candidate a request resumed from on a cached path;
+# sequence has since decoded past or a candidate a running request resumed from on a cached path;
 # RUNG: a checkpoint of a prompt's ladder (`checkpoint_policy`), not hit yet.
 PAGE, PROMPT, JUNCTION, TRAILING, PASSED, RUNG = range(6)
 NUM_ORIGINS = RUNG + 1

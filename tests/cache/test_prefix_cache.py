@@ -161,30 +161,39 @@ def test_a_prompt_end_decoded_past_is_ranked_as_such_and_may_go_before_those_bel
     assert cache.checkpoints[hashes[5]].origin == TRAILING
 
 
-def test_a_candidate_resumed_from_on_a_cached_path_is_passed_one_branched_from_a_junction():
-    """A request that hits a candidate and goes on along cached pages an earlier request left
-    (that path's deeper checkpoint is gone) resumes a path: the candidate is a fallback on it,
-    ranked as a checkpoint requests went past, which may go before those below it, and the
-    request carries the count on. One whose path leaves the cached pages at the candidate
-    branches there: a junction."""
-    cache = _cache(1 + 6 + 3 * CKPT)
+def test_a_candidate_resumed_from_on_a_path_nothing_branches_from_is_passed_else_a_junction():
+    """A request that hits a candidate and goes on past it along cached pages of a path nothing
+    branches from resumes that path (like a conversation's next turn): the candidate becomes a
+    checkpoint requests went past, which may go before the checkpoints below it (a junction
+    there would wait for them), and the request continues it. Where the request's path leaves
+    the cached pages at the candidate, or other paths branch from it, it is a junction."""
+    cache = _cache(1 + 8 + 3 * CKPT)
     hashes, blocks = _register(cache, [1] * 12)
     for depth, origin, hits in ((4, JUNCTION, 0), (8, JUNCTION, 0), (12, PROMPT, 1)):  # candidates at 4, 8
         cache.commit(cache.reserve_checkpoint(depth, origin, hits), hashes[depth // PAGE - 1], origin, hits)
     cache.release(blocks)
-    cache._drop_checkpoint(cache.checkpoints[hashes[5]])  # the prompt end is gone; its pages stay
-    resumed = extend_hashes([], [1] * 12 + [3] * 4, PAGE, root_hash(None))
+    resumed = extend_hashes([], [1] * 10 + [3] * 4, PAGE, root_hash(None))  # parts after 5 pages
     match = cache.match(resumed)
-    assert (match.hit_pages, match.reach_pages) == (4, 6)
+    assert (match.hit_pages, match.reach_pages) == (4, 5)
     assert cache.record_hit(match) == (1, True)
     candidate = cache.checkpoints[hashes[3]]
-    assert candidate.origin == PASSED and candidate.hits == 1 and cache._evictable(candidate)
-    branched = extend_hashes([], [1] * 4 + [2] * 8, PAGE, root_hash(None))
+    assert candidate.origin == PASSED and candidate.node.checkpoints_below == 2 and cache._evictable(candidate)
+    branched = extend_hashes([], [1] * 4 + [2] * 8, PAGE, root_hash(None))  # parts at the candidate
     match = cache.match(branched)
     assert (match.hit_pages, match.reach_pages) == (2, 2)
     assert cache.record_hit(match) == (1, False)
     assert cache.checkpoints[hashes[1]].origin == JUNCTION
     cache.check_invariants()
+
+    cache = _cache(1 + 8 + 2 * CKPT)
+    hashes, blocks = _register(cache, [1] * 12)
+    cache.commit(cache.reserve_checkpoint(4, JUNCTION, 0), hashes[1], JUNCTION, 0)
+    cache.release(blocks)
+    cache.release(_register(cache, [1] * 4 + [5] * 4)[1])  # another path branches at the candidate
+    match = cache.match(extend_hashes([], [1] * 6 + [3] * 4, PAGE, root_hash(None)))
+    assert (match.hit_pages, match.reach_pages) == (2, 3) and match.checkpoint.node.children == 2
+    assert cache.record_hit(match) == (1, False)
+    assert match.checkpoint.origin == JUNCTION
 
 
 def test_a_rung_may_go_before_those_below_and_is_ranked_by_what_it_saves_over_the_rung_below():
