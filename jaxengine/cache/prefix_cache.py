@@ -280,15 +280,14 @@ class PrefixCache:
         if point is None:
             return 1, False
         self.model.reused(hit_class(point.origin, point.hits), self.now - point.last_use)
-        resumes = match.reach_pages > match.hit_pages and isinstance(point, Checkpoint) and point.node.children == 1
-        if resumes and point.hits == 0:
-            # A candidate (or a superseded edge) on a path nothing branches from: the request
-            # goes on past it along pages an earlier request left, so it resumes that path
-            # here, like a conversation's next turn at its last checkpoint: its own edge
-            # supersedes this one later (`supersede`); until then it is one requests went past.
-            point.origin = PASSED
-        elif isinstance(point, Checkpoint) and (point.hits == 0 or point.origin == RUNG):
-            point.origin = JUNCTION  # a candidate or rung found its use: prefixes branch there
+        if isinstance(point, Checkpoint) and (point.hits == 0 or point.origin == RUNG):
+            # A candidate or rung found its use: prefixes branch there (a junction). Unless a
+            # candidate (or a superseded edge) is on a path nothing branches from and the
+            # request goes on past it along pages an earlier request left: then it resumes
+            # that path here, like a conversation's next turn at its last checkpoint; its own
+            # edge supersedes this one later (`supersede`), until then one requests went past.
+            resumes = point.hits == 0 and match.reach_pages > match.hit_pages and point.node.children == 1
+            point.origin = PASSED if resumes else JUNCTION
         for p in [match.checkpoint] if match.checkpoint is not None else match.nodes:
             p.hits += 1
             p.last_use = self.now
