@@ -7,10 +7,13 @@ the machine's drift falls on both alike; each process compiles or loads every st
 first (no background compile; one persistent compilation cache per version, so only the
 first process of each compiles), warms up, then times `--runs` generates. Reported: the
 median tokens/s of each version and the median of the per-pair ratios (this checkout over
-the revision).
+the revision), and where the version keeps a step timeline (`llm.stats()`), the host's
+milliseconds per step before dispatch (median). `--prompt-tokens N` gives each sequence a
+prompt of N token ids instead of a short text; `--repetition-penalty` applies one.
 
     python scripts/bench_against_revision.py --revision f927afe [--batch-sizes 16] \
-        [--max-tokens 256] [--pairs 8] [--runs 3] [--json OUT]
+        [--max-tokens 256] [--pairs 8] [--runs 3] [--prompt-tokens N] \
+        [--repetition-penalty 1.1] [--json OUT]
 """
 
 import argparse
@@ -25,38 +28,63 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 # Runs under either version: only the offline API both have (`LLM`, `SamplingParams`,
-# `generate`); prints one JSON line of tokens/s per batch size.
+# `generate`; the step timeline where there is one); prints one JSON line per batch size:
+# tokens/s and the host's milliseconds before dispatch per step (None without a timeline).
 WORKER = """
 import json, statistics, sys, time
 from jaxengine import LLM, SamplingParams
 from jaxengine.run_config import DEFAULT_MODEL
-cache, max_tokens, runs, *batches = sys.argv[1:]
+cache, max_tokens, runs, prompt_tokens, penalty, *batches = sys.argv[1:]
 llm = LLM(DEFAULT_MODEL, background_compile=False, compilation_cache_dir=cache)
-params = SamplingParams(max_tokens=int(max_tokens), temperature=0, ignore_eos=True)
+params = SamplingParams(
+    max_tokens=int(max_tokens), temperature=0, ignore_eos=True, repetition_penalty=float(penalty)
+)
+timeline = getattr(llm.engine, "timeline", None)
+
+
+def prompts(batch, run):
+    if int(prompt_tokens) == 0:
+        return [f"def function_{i}(x):" for i in range(batch)]
+    # distinct prompts in every run: no prefix-cache hits between runs
+    return [{"prompt_token_ids": [1 + (run * 7919 + i * 104729 + j) % 4000 for j in range(int(prompt_tokens))]}
+            for i in range(batch)]
+
+
 result = {}
 for batch in map(int, batches):
-    prompts = [f"def function_{i}(x):" for i in range(batch)]
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up
-    rates = []
-    for _ in range(int(runs)):
+    llm.generate(prompts(batch, 0), params, use_tqdm=False)  # warm-up
+    rates, host = [], []
+    for run in range(1, int(runs) + 1):
+        if timeline is not None:
+            timeline.reset()
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts(batch, run), params, use_tqdm=False)
         rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
-    result[batch] = statistics.median(rates)
+        host.append(llm.stats()["step_host_before_ms"] if timeline is not None else None)
+    host_ms = statistics.median(host) if timeline is not None else None
+    result[batch] = {"tokens_per_s": statistics.median(rates), "host_before_ms": host_ms}
 print("RESULT " + json.dumps(result))
 """
 
 
-def run_worker(source: Path, cache: Path, args: argparse.Namespace) -> dict[int, float]:
-    """One process of the version at `source`: its median tokens/s per batch size."""
+def run_worker(source: Path, cache: Path, args: argparse.Namespace) -> dict[int, dict]:
+    """One process of the version at `source`: per batch size, its median tokens/s and host
+    milliseconds before dispatch."""
     env = {**os.environ, "PYTHONPATH": str(source)}
     cmd = [sys.executable, "-c", WORKER, str(cache), str(args.max_tokens), str(args.runs)]
+    cmd += [str(args.prompt_tokens), str(args.repetition_penalty)]
     cmd += [str(b) for b in args.batch_sizes]
     out = subprocess.run(cmd, env=env, cwd=source, capture_output=True, text=True, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
         raise SystemExit(f"the worker at {source} failed:\n{out.stderr[-4000:]}")
     return {int(k): v for k, v in json.loads(lines[-1].removeprefix("RESULT ")).items()}
+
+
+def _median_or_none(values) -> float | None:
+    """The median of the values, or None where a version has no step timeline."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def main() -> None:
@@ -66,6 +94,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--runs", type=int, default=3, help="timed generates per process")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="prompt length in tokens (0: a short text)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="jaxengine-revision-") as tmp:
@@ -84,17 +114,20 @@ def main() -> None:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
     results = {}
     for batch in args.batch_sizes:
-        ours = [r[batch] for r in rates["this checkout"]]
-        theirs = [r[batch] for r in rates[args.revision]]
+        ours = [r[batch]["tokens_per_s"] for r in rates["this checkout"]]
+        theirs = [r[batch]["tokens_per_s"] for r in rates[args.revision]]
         results[batch] = {
             "this_checkout_tokens_per_s": statistics.median(ours),
             "revision_tokens_per_s": statistics.median(theirs),
             "ratio": statistics.median(a / b for a, b in zip(ours, theirs)),
+            "this_checkout_host_before_ms": _median_or_none(r[batch]["host_before_ms"] for r in rates["this checkout"]),
+            "revision_host_before_ms": _median_or_none(r[batch]["host_before_ms"] for r in rates[args.revision]),
         }
         print(
             f"batch {batch}: this checkout {results[batch]['this_checkout_tokens_per_s']:.1f} tok/s, "
             f"{args.revision} {results[batch]['revision_tokens_per_s']:.1f} tok/s, "
-            f"ratio {results[batch]['ratio']:.3f} (median of {args.pairs} pairs)"
+            f"ratio {results[batch]['ratio']:.3f} (median of {args.pairs} pairs); host ms before dispatch "
+            f"{results[batch]['this_checkout_host_before_ms']} / {results[batch]['revision_host_before_ms']}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"revision": args.revision, **vars(args), "results": results}, indent=2))

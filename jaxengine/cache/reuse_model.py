@@ -30,8 +30,9 @@ by use count, then least recently pushed.
 """
 
 import collections
-import dataclasses
 import math
+
+import numpy as np
 
 # Where a hit point came from; PASSED: a checkpoint requests went past, a prompt end its
 # sequence has since decoded past or a candidate a running request resumed from on a cached path;
@@ -66,64 +67,53 @@ def _less_used(cls: int) -> list[int]:
     return [1 + origin * HIT_LEVELS + lv for lv in range(level + 1)]
 
 
-@dataclasses.dataclass
-class _Histogram:
-    reuses: list[float]
-    reuse_ages: list[float]  # sum of the ages of the reuses in each bin
-    deaths: list[float]
+REUSES, REUSE_AGES, DEATHS = range(3)  # the counts per class and age bin (`ReuseModel.counts`)
 
-    @classmethod
-    def empty(cls) -> "_Histogram":
-        return cls([0.0] * NUM_BINS, [0.0] * NUM_BINS, [0.0] * NUM_BINS)
 
-    @classmethod
-    def prior(cls, uses: int) -> "_Histogram":
-        """For a class used `uses` times: one pseudo-reuse and 1 / `uses` pseudo-deaths, each
-        spread evenly over ages 1, 2, 4, ... 2**20 (no scale preferred). The expected wait
-        grows with age, so until data says otherwise the youngest go last (LRU), and the more
-        used a hit point the likelier its reuse (`uses` / (`uses` + 1)), so a prefix two
-        requests shared outranks one request's own."""
-        h = cls.empty()
-        ages = [2**k for k in range(21)]
-        for age in ages:
-            h.reuses[age_bin(age)] += 1 / len(ages)
-            h.reuse_ages[age_bin(age)] += age / len(ages)
-            h.deaths[age_bin(age)] += 1 / uses / len(ages)
-        return h
-
-    def scale(self, factor: float) -> None:
-        for values in (self.reuses, self.reuse_ages, self.deaths):
-            for b in range(NUM_BINS):
-                values[b] *= factor
+def _prior(uses: int) -> np.ndarray:
+    """[3, NUM_BINS]: for a class used `uses` times, one pseudo-reuse and 1 / `uses`
+    pseudo-deaths, each spread evenly over ages 1, 2, 4, ... 2**20 (no scale preferred). The
+    expected wait grows with age, so until data says otherwise the youngest go last (LRU), and
+    the more used a hit point the likelier its reuse (`uses` / (`uses` + 1)), so a prefix two
+    requests shared outranks one request's own."""
+    counts = np.zeros((3, NUM_BINS))
+    ages = [2**k for k in range(21)]
+    for age in ages:
+        counts[REUSES, age_bin(age)] += 1 / len(ages)
+        counts[REUSE_AGES, age_bin(age)] += age / len(ages)
+        counts[DEATHS, age_bin(age)] += 1 / uses / len(ages)
+    return counts
 
 
 class ReuseModel:
     """Reuse and death counts per class and age bin, with ghost memory of evictions."""
 
     def __init__(self, max_ghosts: int):
-        self.hist = [_Histogram.empty()] + [_Histogram.prior(1 + (c - 1) % HIT_LEVELS) for c in range(1, NUM_CLASSES)]
+        # [NUM_CLASSES, 3, NUM_BINS]: reuses, the sum of their ages, and deaths per age bin.
+        self.counts = np.stack(
+            [np.zeros((3, NUM_BINS))] + [_prior(1 + (c - 1) % HIT_LEVELS) for c in range(1, NUM_CLASSES)]
+        )
         self._less_used = [_less_used(c) for c in range(NUM_CLASSES)]
         self.max_ghosts = max_ghosts
         # block hash -> (class, age at eviction, request clock at eviction)
         self.ghosts: collections.OrderedDict[bytes, tuple[int, int, int]] = collections.OrderedDict()
         self._events = 0.0
-        self._tables: list[tuple[list[float], list[float], list[float]]] | None = None
+        self._tables: list[list[list[float]]] | None = None
 
     # ------------------------------------------------------------------ events
 
     def reused(self, cls: int, age: int) -> None:
         if cls == 0:
             return
-        h = self.hist[cls]
-        h.reuses[age_bin(age)] += 1
-        h.reuse_ages[age_bin(age)] += age
+        self.counts[cls, REUSES, age_bin(age)] += 1
+        self.counts[cls, REUSE_AGES, age_bin(age)] += age
         self._event()
 
     def died(self, block_hash: bytes, cls: int, age: int, now: int) -> None:
         """A used hit point was evicted (speculative ones are not modelled)."""
         if cls == 0:
             return
-        self.hist[cls].deaths[age_bin(age)] += 1
+        self.counts[cls, DEATHS, age_bin(age)] += 1
         self.ghosts[block_hash] = (cls, age, now)
         self.ghosts.move_to_end(block_hash)
         while len(self.ghosts) > self.max_ghosts:
@@ -137,9 +127,8 @@ class ReuseModel:
         if ghost is None:
             return False
         cls, age, evicted_at = ghost
-        h = self.hist[cls]
         b = age_bin(age)
-        h.deaths[b] = max(0.0, h.deaths[b] - 1)
+        self.counts[cls, DEATHS, b] = max(0.0, self.counts[cls, DEATHS, b] - 1)
         self.reused(cls, age + now - evicted_at)
         return True
 
@@ -148,22 +137,17 @@ class ReuseModel:
         self._events += 1
         # Halve the counts every so many events, so old behaviour fades.
         if self._events >= max(256.0, 2.0 * self.max_ghosts):
-            for h in self.hist:
-                h.scale(0.5)
+            self.counts *= 0.5
             self._events = 0.0
 
     # ------------------------------------------------------------------ ranking
 
-    def _suffix_tables(self) -> list[tuple[list[float], list[float], list[float]]]:
-        """Per class, suffix sums over bins >= b of reuses, reuse ages and deaths."""
+    def _suffix_tables(self) -> list[list[list[float]]]:
+        """Per class, suffix sums over bins >= b of reuses, reuse ages and deaths ([3][NUM_BINS]
+        lists). Recomputed after each event, which evictions under memory pressure make every
+        step: one cumulative sum over all classes, added from the oldest bin down."""
         if self._tables is None:
-            tables = []
-            for h in self.hist:
-                r, a, d = [0.0] * (NUM_BINS + 1), [0.0] * (NUM_BINS + 1), [0.0] * (NUM_BINS + 1)
-                for b in range(NUM_BINS - 1, -1, -1):
-                    r[b], a[b], d[b] = r[b + 1] + h.reuses[b], a[b + 1] + h.reuse_ages[b], d[b + 1] + h.deaths[b]
-                tables.append((r, a, d))
-            self._tables = tables
+            self._tables = np.cumsum(self.counts[:, :, ::-1], axis=2)[:, :, ::-1].tolist()
         return self._tables
 
     def density(self, cls: int, age: int) -> float:

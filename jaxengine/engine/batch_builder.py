@@ -21,7 +21,13 @@ import numpy as np
 
 from jaxengine.cache import checkpoint_policy
 from jaxengine.engine.sampler import SamplingBatch
-from jaxengine.engine.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from jaxengine.engine.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from jaxengine.engine.scheduler import ScheduledStep
 from jaxengine.engine.structured_output import fill_row
 from jaxengine.models.batch import StepBatch
@@ -266,11 +272,14 @@ class BatchBuilder:
         state_pos = np.full(shape.num_position_states, -1, np.int32)
         state_slots = np.zeros(shape.num_position_states, np.int32)
 
+        # Only penalties read the histories: without one in the step they stay -1, so a step's
+        # host work does not grow with its sequences' lengths.
+        penalised = any(_penalised(seq.params) for seq in step.seqs)
         offset = 0
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
             start = seq.num_computed
             drafts = step.drafts_of(i)
-            tokens = seq.tokens + drafts  # a verify step's tokens are its pending token and its drafts
+            tokens = seq.tokens + drafts if drafts else seq.tokens  # a verify step's: its pending token and drafts
             known = tokens[start : start + n]
             ids[offset : offset + len(known)] = known
             if len(known) < n:  # its last token: sampled by the step before, not read yet
@@ -305,7 +314,9 @@ class BatchBuilder:
             repetition[i] = p.repetition_penalty
             seeds[i] = seq.seed
             steps[i] = seq.num_sampled
-            history[i, : len(tokens)] = tokens
+            if penalised:
+                history[i, : len(seq.tokens)] = seq.token_array()
+                history[i, len(seq.tokens) : len(tokens)] = drafts
             history_lens[i] = seq.num_tokens
             prompt_lens[i] = seq.num_prompt_tokens
             min_tokens[i] = p.min_tokens
@@ -387,3 +398,8 @@ class BatchBuilder:
             history_feed=history_feed,
         )
         return batch, sampling
+
+
+def _penalised(params: SamplingParams) -> bool:
+    """Whether a sequence's sampling counts its history (`sampler._apply_penalties`)."""
+    return params.repetition_penalty != 1 or params.frequency_penalty != 0 or params.presence_penalty != 0

@@ -4,6 +4,8 @@ import dataclasses
 import enum
 import time
 
+import numpy as np
+
 from jaxengine.cache.prefix_cache import Checkpoint
 from jaxengine.engine.outputs import Logprob
 from jaxengine.engine.sampling_params import SamplingParams
@@ -76,6 +78,24 @@ class Sequence:
     num_unfilled: int = 0
     feed_row: int = -1
     deferred_saves: list = dataclasses.field(default_factory=list)
+    # `tokens` as int32 (the first `_num_in_array`), extended as tokens are appended: `token_array`.
+    _token_array: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0, np.int32), init=False, repr=False, compare=False
+    )
+    _num_in_array: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
+
+    def token_array(self) -> np.ndarray:
+        """`tokens` as an int32 array [len(tokens)] (a view, valid until the next call): only
+        the tokens appended since the last call are converted, so a step's host work does
+        not grow with the sequence's length (tokens are only ever appended)."""
+        n, have = len(self.tokens), self._num_in_array
+        if n > len(self._token_array):
+            grown = np.zeros(max(n, 2 * len(self._token_array)), np.int32)
+            grown[:have] = self._token_array[:have]
+            self._token_array = grown
+        self._token_array[have:n] = self.tokens[have:n]
+        self._num_in_array = n
+        return self._token_array[:n]
 
     @property
     def speculates(self) -> bool:

@@ -5,7 +5,7 @@ import pytest
 from jaxengine.cache.block_hash import extend_hashes, root_hash
 from jaxengine.cache.block_pool import BlockPool
 from jaxengine.cache.prefix_cache import PrefixCache
-from jaxengine.cache.reuse_model import JUNCTION, PASSED, PROMPT, RUNG, TRAILING, hit_class
+from jaxengine.cache.reuse_model import JUNCTION, PASSED, PROMPT, REUSES, RUNG, TRAILING, hit_class
 
 PAGE = 2
 CKPT = 2  # blocks per checkpoint
@@ -233,14 +233,14 @@ def test_a_hit_on_a_rung_is_counted_as_a_rungs_reuse_and_makes_it_a_junction():
     cache.release(blocks)
     for _ in range(3):
         cache.now += 1
-    before = cache.model.hist[hit_class(RUNG, 1)].reuses[:]
+    before = cache.model.counts[hit_class(RUNG, 1), REUSES].sum()
     other = extend_hashes([], [1] * 6 + [2] * 6, PAGE, root_hash(None))  # leaves after 3 pages
     match = cache.match(other)
     assert match.checkpoint is cache.checkpoints[hashes[1]] and match.hit_pages == 2
     hits, continues = cache.record_hit(match)
     assert (hits, continues) == (1, False)  # a branch off it starts a new prefix
     assert match.checkpoint.origin == JUNCTION and match.checkpoint.hits == 2
-    assert sum(cache.model.hist[hit_class(RUNG, 1)].reuses) == pytest.approx(sum(before) + 1)
+    assert cache.model.counts[hit_class(RUNG, 1), REUSES].sum() == pytest.approx(before + 1)
 
 
 def test_a_checkpoint_left_out_for_want_of_room_teaches_the_ranking_when_wanted():

@@ -2,9 +2,11 @@
 
 import numpy as np
 import pytest
+import torch
 
 from jaxengine import LLM, SamplingParams
 from tests.engine.conftest import ENGINE_ARGS
+from tests.engine.test_sampler import _penalised_reference
 from tests.models.tiny_models import hf_greedy, random_prompt
 
 
@@ -76,3 +78,43 @@ def test_metrics_are_recorded(bamba_llm):
     assert out.num_cached_tokens == 0
     assert out.time_to_first_token is not None and out.time_to_first_token > 0
     assert out.time_per_output_token is not None and out.time_per_output_token > 0
+
+
+def _hf_penalised_greedy(model, prompt: list[int], max_new_tokens: int, presence, frequency, repetition) -> list[int]:
+    """The reference model's greedy continuation under vLLM's penalties, written out (the
+    rule `test_sampler.py` checks the sampler against), a full forward per token."""
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids])).logits[0, -1].detach().numpy().astype(np.float64)
+        history = np.array(ids)
+        logits = _penalised_reference(logits, history, len(prompt), presence, frequency, repetition)
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+def test_penalties_over_long_histories_match_transformers(tiny_models):
+    """Greedy decode with repetition, frequency and presence penalties beside a request with
+    none, in one batch, over prompts of 3 to 180 tokens: each request's tokens equal the
+    reference's under the written-out rule. The penalised histories are built from each
+    sequence's token array, extended step by step (`Sequence.token_array`), across its growth."""
+    path, hf_model = tiny_models["bamba"]
+    llm = LLM(path, **{**ENGINE_ARGS, "warm_up": False})
+    prompts = [random_prompt(180, 3), random_prompt(3, 4), random_prompt(60, 5), random_prompt(25, 6)]
+    settings = [(0.0, 0.0, 1.6), (0.5, 0.3, 1.2), None, (1.0, 0.0, 1.0)]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        if s is None
+        else SamplingParams(
+            max_tokens=20,
+            temperature=0.0,
+            ignore_eos=True,
+            presence_penalty=s[0],
+            frequency_penalty=s[1],
+            repetition_penalty=s[2],
+        )
+        for s in settings
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, s, out in zip(prompts, settings, outs):
+        want = hf_greedy(hf_model, prompt, 20) if s is None else _hf_penalised_greedy(hf_model, prompt, 20, *s)
+        assert out.outputs[0].token_ids == want, (len(prompt), s)
