@@ -87,6 +87,10 @@ def _median_or_none(values) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--revision", required=True, help="a git revision of this repository")
@@ -127,7 +131,7 @@ def main() -> None:
             f"batch {batch}: this checkout {results[batch]['this_checkout_tokens_per_s']:.1f} tok/s, "
             f"{args.revision} {results[batch]['revision_tokens_per_s']:.1f} tok/s, "
             f"ratio {results[batch]['ratio']:.3f} (median of {args.pairs} pairs); host ms before dispatch "
-            f"{results[batch]['this_checkout_host_before_ms']} / {results[batch]['revision_host_before_ms']}"
+            f"{_ms(results[batch]['this_checkout_host_before_ms'])} / {_ms(results[batch]['revision_host_before_ms'])}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"revision": args.revision, **vars(args), "results": results}, indent=2))
