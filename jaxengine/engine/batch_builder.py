@@ -279,8 +279,10 @@ class BatchBuilder:
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
             start = seq.num_computed
             drafts = step.drafts_of(i)
-            tokens = seq.tokens + drafts if drafts else seq.tokens  # a verify step's: its pending token and drafts
-            known = tokens[start : start + n]
+            # Its tokens from the first this step computes (a verify step's: its pending token
+            # and its drafts), never the whole sequence.
+            ahead = seq.tokens[start:] + drafts
+            known = ahead[:n]
             ids[offset : offset + len(known)] = known
             if len(known) < n:  # its last token: sampled by the step before, not read yet
                 if seq.num_unfilled != 1 or drafts or len(known) != n - 1:
@@ -288,7 +290,7 @@ class BatchBuilder:
                 feed_rows[offset + n - 1] = history_feed[i] = seq.feed_row
             if seq.params.prompt_logprobs is not None:  # each prompt token's log-probability, from the one before
                 asked = range(start, min(start + n, seq.num_prompt_tokens - 1))
-                next_ids[offset : offset + len(asked)] = tokens[start + 1 : start + 1 + len(asked)]
+                next_ids[offset : offset + len(asked)] = ahead[1 : 1 + len(asked)]
             if drafter:
                 known = seq.tokens[start + 1 : start + n + 1]  # not the drafts: their sample rows say what follows
                 following_ids[offset : offset + len(known)] = known
@@ -316,7 +318,7 @@ class BatchBuilder:
             steps[i] = seq.num_sampled
             if penalised:
                 history[i, : len(seq.tokens)] = seq.token_array()
-                history[i, len(seq.tokens) : len(tokens)] = drafts
+                history[i, len(seq.tokens) : len(seq.tokens) + len(drafts)] = drafts
             history_lens[i] = seq.num_tokens
             prompt_lens[i] = seq.num_prompt_tokens
             min_tokens[i] = p.min_tokens
