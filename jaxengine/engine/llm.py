@@ -308,11 +308,20 @@ class LLM:
     def _generate(self, groups: list[list[EngineSequence]], use_tqdm: bool) -> list[RequestOutput]:
         seqs = [s for group in groups for s in group]
         with tqdm(total=len(groups), desc="requests", disable=not use_tqdm or len(groups) < 2) as bar:
+            # Checked twice a step: only the first group not seen finished is looked at (a
+            # finished request stays finished), so a step's cost does not grow with the number
+            # of requests; the bar counts them all at most every tenth of a second.
+            pending = collections.deque(groups)
+            counted = 0.0  # when the bar last counted
 
             def done() -> bool:
-                finished = sum(all(s.status is Status.FINISHED for s in g) for g in groups)
-                bar.update(finished - bar.n)
-                return finished == len(groups)
+                nonlocal counted
+                while pending and _finished(pending[0]):
+                    pending.popleft()
+                if not bar.disable and (not pending or time.monotonic() - counted >= 0.1):
+                    counted = time.monotonic()
+                    bar.update(sum(map(_finished, groups)) - bar.n)
+                return not pending
 
             try:
                 self._step_until(done)
@@ -412,3 +421,8 @@ def _unpack(prompt: Prompt, where: str) -> tuple[str | Sequence[int], str | None
     if salt is not None and not isinstance(salt, str):
         raise ValueError(f"{where}: cache_salt must be a string, got {salt!r}")
     return prompt.get("prompt", prompt.get("prompt_token_ids")), salt
+
+
+def _finished(group: list[EngineSequence]) -> bool:
+    """Whether every sample of a request has finished."""
+    return all(s.status is Status.FINISHED for s in group)
