@@ -60,8 +60,9 @@ for batch in map(int, batches):
         start = time.perf_counter()
         outs = llm.generate(prompts(batch, run), params, use_tqdm=False)
         rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
-        host.append(llm.stats()["step_host_before_ms"] if timeline is not None else None)
-    host_ms = statistics.median(host) if timeline is not None else None
+        if timeline is not None:
+            host.append(llm.stats()["step_host_before_ms"])
+    host_ms = statistics.median(host) if host else None
     result[batch] = {"tokens_per_s": statistics.median(rates), "host_before_ms": host_ms}
 print("RESULT " + json.dumps(result))
 """

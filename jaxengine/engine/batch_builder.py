@@ -403,5 +403,7 @@ class BatchBuilder:
 
 
 def _penalised(params: SamplingParams) -> bool:
-    """Whether a sequence's sampling counts its history (`sampler._apply_penalties`)."""
+    """Whether a sequence's sampling counts its history: the host's side of the condition
+    under which `sampler._choose` applies penalties (the two must agree, or a history the
+    device reads is left empty)."""
     return params.repetition_penalty != 1 or params.frequency_penalty != 0 or params.presence_penalty != 0
