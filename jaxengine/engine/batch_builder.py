@@ -30,6 +30,7 @@ from jaxengine.engine.sampling_params import (
 )
 from jaxengine.engine.scheduler import ScheduledStep
 from jaxengine.engine.structured_output import fill_row
+from jaxengine.engine.unread_inputs import unread
 from jaxengine.models.batch import StepBatch
 
 
@@ -251,7 +252,15 @@ class BatchBuilder:
         repetition = np.ones(s_size, f32)
         seeds = np.zeros(s_size, np.uint32)
         steps = np.zeros(s_size, np.int32)
-        history = np.full((s_size, self.max_model_len), -1, np.int32)
+        # Only penalties read the histories, and only grammars the masks: without one in the
+        # step the device gets the same unread array, so a step's host work grows neither
+        # with its sequences' lengths nor with max_model_len.
+        penalised = any(_penalised(seq.params) for seq in step.seqs)
+        constrained_step = any(seq.matcher is not None for seq in step.seqs)
+        if penalised:
+            history = np.full((s_size, self.max_model_len), -1, np.int32)
+        else:
+            history = unread((s_size, self.max_model_len), -1)
         history_lens = np.zeros(s_size, np.int32)
         prompt_lens = np.zeros(s_size, np.int32)
         banned = np.full((s_size, MAX_STOP_TOKEN_IDS), -1, np.int32)
@@ -263,7 +272,8 @@ class BatchBuilder:
         bias_values = np.zeros((s_size, MAX_LOGIT_BIAS), f32)
         allowed_ids = np.full((s_size, MAX_ALLOWED_TOKEN_IDS), -1, np.int32)
         bad_ids = np.full((s_size, MAX_BAD_WORDS), -1, np.int32)
-        grammar_mask = np.zeros((s_size, -(-self.vocab_size // 32)), np.int32)
+        mask_shape = (s_size, -(-self.vocab_size // 32))
+        grammar_mask = np.zeros(mask_shape, np.int32) if constrained_step else unread(mask_shape, 0)
         constrained = np.zeros(s_size, bool)
         width = shape.sample_width
         sample_rows = np.zeros((s_size, width), np.int32)
@@ -272,9 +282,6 @@ class BatchBuilder:
         state_pos = np.full(shape.num_position_states, -1, np.int32)
         state_slots = np.zeros(shape.num_position_states, np.int32)
 
-        # Only penalties read the histories: without one in the step they stay -1, so a step's
-        # host work does not grow with its sequences' lengths.
-        penalised = any(_penalised(seq.params) for seq in step.seqs)
         offset = 0
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
             start = seq.num_computed
@@ -298,7 +305,8 @@ class BatchBuilder:
             sample_rows[i] = offset + np.maximum(np.arange(n - width, n), 0)
             offset += n
             kv_lens[i] = start + n
-            page_table[i, : len(seq.pages)] = seq.pages
+            pages = seq.page_array()
+            page_table[i, : len(pages)] = pages
             if seq.owned_slots:
                 read[i], write[i] = seq.read_slot, seq.write_slot
             num_drafts[i] = len(drafts)

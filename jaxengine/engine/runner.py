@@ -25,6 +25,7 @@ from jaxengine.engine.sampler import (
 from jaxengine.engine.spec.acceptance import last_accepted_rows
 from jaxengine.engine.step_executables import StepExecutables
 from jaxengine.engine.step_store import StepStore
+from jaxengine.engine.unread_inputs import DeviceCopies
 from jaxengine.models.batch import Pools, StepBatch
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.draft_chain import draft_model_drafts
@@ -219,6 +220,8 @@ class ModelRunner:
         self.steps = StepExecutables(self._lower, self._file_key, store or StepStore(None))
         # With several processes, process 0's steps run on the others too (`multihost.py`).
         self.lockstep = Lockstep()
+        # The batch builder's inputs for steps that do not read them, kept on the devices.
+        self.unread = DeviceCopies()
 
     def pools_lost(self) -> bool:
         """Whether the pools were donated to a step that did not hand new ones back."""
@@ -258,6 +261,7 @@ class ModelRunner:
     ) -> tuple[SampleOutput, Pools | None, Pools]:
         """Runs a step executable on the current pools (donating them) and returns the new
         ones (the draft model's, then the target's)."""
+        sampling = self.unread.swap(sampling, lambda: executable.input_shardings[1]["sampling"])
         out, draft_pools, pools = executable(
             **self._step_args(batch, sampling, self.pools, self.draft_pools, self.feed)
         )
@@ -316,6 +320,7 @@ class ModelRunner:
         (stopped after the compile in flight) and its device arrays. The runner cannot run
         steps after."""
         self.steps.close()
+        self.unread.delete()
         for leaf in jax.tree.leaves((self.pools, self.draft_pools, self.param_leaves, self.draft_leaves, self.feed)):
             if not leaf.is_deleted():
                 leaf.delete()

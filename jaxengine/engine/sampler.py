@@ -50,7 +50,9 @@ class SamplingBatch:
     # Tokens the host has not read yet (an overlapped loop, `llm_engine.py`): they come from the
     # previous step's `SampleOutput.feed` on the device.
     feed_rows: jax.Array  # [T] int32: per token, the previous step's row whose token it is, or -1 (the host's id)
-    history_feed: jax.Array  # [S] int32: the previous step's row whose token ends the history, or -1
+    # [S] int32: the previous step's row whose token ends the history, or -1; after `fed`, that
+    # token itself (-1: none), which the penalties put in its place (`_history`).
+    history_feed: jax.Array
 
     @property
     def runs_drafter(self) -> bool:
@@ -129,10 +131,20 @@ def prompt_logprobs(
     return jax.lax.cond(jnp.any(next_ids >= 0), asked, none, h)
 
 
+def _history(sb: SamplingBatch, rows: RowSettings) -> jax.Array:
+    """Each row's sequence's history [R, L], its last token the fed one where the host had not
+    read it (`fed`). `sb` holds per-row settings but the per-sequence history and feed."""
+    history = jnp.asarray(sb.history)[rows.seq]  # [R, L]
+    fed_token = sb.history_feed[rows.seq]  # [R]
+    last = jnp.maximum(sb.history_lens - 1, 0)  # [R]: its sequence's last token
+    at = jnp.arange(history.shape[0])
+    return history.at[at, last].set(jnp.where(fed_token >= 0, fed_token, history[at, last]))
+
+
 def _apply_penalties(logits: jax.Array, sb: SamplingBatch, rows: RowSettings) -> jax.Array:
     """`sb` holds per-row settings; `rows` says which history each row counts."""
     num_rows, vocab = logits.shape
-    history = sb.history[rows.seq]  # [R, L]
+    history = _history(sb, rows)  # [R, L]
     length = history.shape[1]
     valid = (history >= 0) & (jnp.arange(length)[None, :] < rows.history_lens[:, None])
     is_output = valid & (jnp.arange(length)[None, :] >= sb.prompt_lens[:, None])
@@ -299,14 +311,13 @@ def sample_tokens(logits: jax.Array, seq_sb: SamplingBatch, num_logprobs: int) -
 
 
 def fed(batch: StepBatch, sb: SamplingBatch, feed: jax.Array) -> tuple[StepBatch, SamplingBatch]:
-    """The step's token ids and histories with the tokens the host has not read taken from the
-    previous step's `feed` [F] (`SamplingBatch.feed_rows`, `history_feed`)."""
+    """The step's token ids with the tokens the host has not read taken from the previous
+    step's `feed` [F] (`SamplingBatch.feed_rows`), and `history_feed` turned into the tokens
+    that end the histories. The histories themselves are left alone: only penalties read them,
+    and put that token in (`_history`), so a step without penalties does not copy them."""
     ids = jnp.where(sb.feed_rows >= 0, feed[jnp.maximum(sb.feed_rows, 0)], batch.input_ids)
-    seqs = jnp.arange(sb.history.shape[0])
-    last = jnp.maximum(sb.history_lens - 1, 0)
-    token = jnp.where(sb.history_feed >= 0, feed[jnp.maximum(sb.history_feed, 0)], sb.history[seqs, last])
-    history = jnp.asarray(sb.history).at[seqs, last].set(token)
-    return dataclasses.replace(batch, input_ids=ids), dataclasses.replace(sb, history=history)
+    ends = jnp.where(sb.history_feed >= 0, feed[jnp.maximum(sb.history_feed, 0)], -1)
+    return dataclasses.replace(batch, input_ids=ids), dataclasses.replace(sb, history_feed=ends)
 
 
 def feed_of(tokens: jax.Array, size: int) -> jax.Array:

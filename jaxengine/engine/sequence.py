@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from jaxengine.cache.prefix_cache import Checkpoint
+from jaxengine.engine.list_mirror import Int32Mirror
 from jaxengine.engine.outputs import Logprob
 from jaxengine.engine.sampling_params import SamplingParams
 from jaxengine.engine.spec.state import SpecState
@@ -78,24 +79,20 @@ class Sequence:
     num_unfilled: int = 0
     feed_row: int = -1
     deferred_saves: list = dataclasses.field(default_factory=list)
-    # `tokens` as int32 (the first `_num_in_array`), extended as tokens are appended: `token_array`.
-    _token_array: np.ndarray = dataclasses.field(
-        default_factory=lambda: np.zeros(0, np.int32), init=False, repr=False, compare=False
-    )
-    _num_in_array: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
+    # `tokens` and `pages` as int32 arrays, extended as they grow: `token_array`, `page_array`.
+    _token_mirror: Int32Mirror = dataclasses.field(default_factory=Int32Mirror, init=False, repr=False, compare=False)
+    _page_mirror: Int32Mirror = dataclasses.field(default_factory=Int32Mirror, init=False, repr=False, compare=False)
 
     def token_array(self) -> np.ndarray:
         """`tokens` as an int32 array [len(tokens)] (a view, valid until the next call): only
-        the tokens appended since the last call are converted, so a step's host work does
-        not grow with the sequence's length (tokens are only ever appended)."""
-        n, have = len(self.tokens), self._num_in_array
-        if n > len(self._token_array):
-            grown = np.zeros(max(n, 2 * len(self._token_array)), np.int32)
-            grown[:have] = self._token_array[:have]
-            self._token_array = grown
-        self._token_array[have:n] = self.tokens[have:n]
-        self._num_in_array = n
-        return self._token_array[:n]
+        the tokens appended since the last call are converted (tokens are only ever appended)."""
+        return self._token_mirror.of(self.tokens)
+
+    def page_array(self) -> np.ndarray:
+        """`pages` as an int32 array [len(pages)] (a view, valid until the next call): only the
+        pages added since the last call are converted (the scheduler extends the list, or
+        replaces it whole)."""
+        return self._page_mirror.of(self.pages)
 
     @property
     def speculates(self) -> bool:

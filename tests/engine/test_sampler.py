@@ -326,7 +326,8 @@ class _Ids:  # the one field of a StepBatch that `sampler.fed` reads and replace
 
 def test_the_feed_replaces_only_the_tokens_it_names():
     """Ids and each history's last token come from the previous step's feed where the step
-    names a row of it (a token the host has not read), else stay the host's."""
+    names a row of it (a token the host has not read), else stay the host's; the penalties
+    read the histories with those tokens in place."""
     sb = _batch(
         3,
         history=[[1, 2, 3, -1, -1, -1], [4, 5, -1, -1, -1, -1], [6, -1, -1, -1, -1, -1]],
@@ -336,8 +337,22 @@ def test_the_feed_replaces_only_the_tokens_it_names():
     sb = dataclasses.replace(sb, feed_rows=np.array([-1, 0, -1, 1], np.int32))  # [T]: 4 tokens
     ids, sb = sampler.fed(_Ids(np.array([10, 11, 12, 13], np.int32)), sb, np.array([70, 71, 72, 0], np.int32))
     assert np.asarray(ids.input_ids).tolist() == [10, 70, 12, 71]
-    assert np.asarray(sb.history).tolist() == [
+    rows = sampler.row_settings(sb)
+    assert np.asarray(sampler._history(sampler._per_row(sb, rows), rows)).tolist() == [
         [1, 2, 3, 71, -1, -1],
         [4, 5, -1, -1, -1, -1],
         [70, -1, -1, -1, -1, -1],
     ]
+
+
+def test_a_repetition_penalty_counts_the_token_fed_from_the_previous_step():
+    """A history whose last token the host has not read: the penalty applies to the token
+    the previous step sampled (fed on the device), as if the host had written it."""
+    host = _batch(1, history=[[3, 1, -1, -1, -1, -1]], history_lens=[2], repetition_penalty=[100.0])
+    unread = dataclasses.replace(
+        host, history=np.array([[3, -1, -1, -1, -1, -1]], np.int32), history_feed=np.zeros(1, np.int32)
+    )
+    _, unread = sampler.fed(_Ids(np.zeros(1, np.int32)), unread, np.array([1], np.int32))
+    want = int(np.asarray(sample_tokens(LOGITS, host, num_logprobs=0).tokens)[0])
+    assert want == 2  # token 1, the most likely, penalised away
+    assert int(np.asarray(sample_tokens(LOGITS, unread, num_logprobs=0).tokens)[0]) == want

@@ -1,0 +1,113 @@
+"""A step's host-built inputs: what the builder fills per step, and what it does not.
+
+A step's host work must not grow with context or with `max_model_len`: sequences' tokens and
+pages are converted to arrays only as they grow (`list_mirror.Int32Mirror`), and inputs that
+no sequence of a step reads (penalties' histories, grammar masks) are one read-only array the
+runner keeps on the devices (`unread_inputs.py`)."""
+
+import dataclasses
+import pickle
+
+import jax
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxengine.engine.batch_builder import BatchBuilder
+from jaxengine.engine.list_mirror import Int32Mirror
+from jaxengine.engine.sampling_params import SamplingParams
+from jaxengine.engine.scheduler import ScheduledStep
+from jaxengine.engine.sequence import Sequence
+from jaxengine.engine.unread_inputs import DeviceCopies, unread
+from tests.property_examples import examples
+
+# Ops on a followed list: append some items, replace it by a new list, or cut it shorter in place.
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.lists(st.integers(-5, 2**31 - 1), max_size=9)),
+        st.tuples(st.just("replace"), st.lists(st.integers(0, 99), max_size=20)),
+        st.tuples(st.just("cut"), st.integers(0, 30)),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(_ops)
+def test_a_mirror_equals_its_list_through_appends_replacements_and_cuts(ops):
+    mirror, items = Int32Mirror(), []
+    for op, arg in ops:
+        if op == "append":
+            items.extend(arg)
+        elif op == "replace":
+            items = list(arg)
+        else:
+            del items[arg:]
+        got = mirror.of(items)
+        assert got.dtype == np.int32 and got.tolist() == items
+
+
+def _builder(**overrides) -> BatchBuilder:
+    args = dict(max_num_batched_tokens=32, max_num_seqs=4, max_model_len=64, page_size=4)
+    return BatchBuilder(**{**args, **overrides}, eos_token_ids=(0,), vocab_size=100)
+
+
+def _decoding(tokens: list[int], pages: list[int], params: SamplingParams) -> Sequence:
+    """A sequence with all but its last token computed: its next step decodes that one."""
+    seq = Sequence("r", 0, list(tokens), 3, params, seed=0)
+    seq.num_computed, seq.pages = len(tokens) - 1, list(pages)
+    return seq
+
+
+def test_steps_without_penalties_share_one_unread_history_and_others_fill_theirs():
+    builder = _builder()
+    plain = _decoding([5, 6, 7, 8, 9], [3, 4], SamplingParams())
+    penalised = _decoding([5, 6, 7, 8, 9, 10], [7, 8], SamplingParams(repetition_penalty=1.2))
+    _, first = builder.build(ScheduledStep([plain], [1]))
+    plain.tokens.append(11)
+    plain.num_computed += 1
+    _, second = builder.build(ScheduledStep([plain], [1]))
+    assert first.history is second.history and not first.history.flags.writeable
+    assert first.grammar_mask is second.grammar_mask  # no grammar either
+    batch, mixed = builder.build(ScheduledStep([plain, penalised], [1, 1]))
+    assert mixed.history is not first.history
+    assert mixed.history[0, :7].tolist() == [5, 6, 7, 8, 9, 11, -1]
+    assert mixed.history[1, :6].tolist() == [5, 6, 7, 8, 9, 10] and mixed.history[1, 6] == -1
+    assert np.asarray(batch.page_table)[:2, :2].tolist() == [[3, 4], [7, 8]]
+
+
+def test_page_tables_follow_pages_added_and_replaced():
+    builder = _builder()
+    seq = _decoding([1, 2, 3, 4, 5], [9, 10], SamplingParams())
+    tables = [np.asarray(builder.build(ScheduledStep([seq], [1]))[0].page_table)[0, :4].tolist()]
+    seq.pages.extend([11, 12])
+    tables.append(np.asarray(builder.build(ScheduledStep([seq], [1]))[0].page_table)[0, :4].tolist())
+    seq.pages = [20]  # preempted and re-admitted elsewhere
+    tables.append(np.asarray(builder.build(ScheduledStep([seq], [1]))[0].page_table)[0, :4].tolist())
+    assert tables == [[9, 10, 0, 0], [9, 10, 11, 12], [20, 0, 0, 0]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    history: object
+    lens: object
+
+
+def test_unread_arrays_become_one_device_copy_and_others_pass_through():
+    history = unread((2, 5), -1)
+    assert unread((2, 5), -1) is history and unread((2, 5), 0) is not history
+    assert pickle.loads(pickle.dumps(history)) is history  # another process's own (`multihost.Lockstep`)
+    copies = DeviceCopies()
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    lens = np.array([3, 4], np.int32)
+    first = copies.swap(_Inputs(history, lens), lambda: _Inputs(sharding, sharding))
+    second = copies.swap(_Inputs(history, lens), lambda: _Inputs(sharding, sharding))
+    assert isinstance(first.history, jax.Array) and first.history is second.history
+    assert np.asarray(first.history).tolist() == [[-1] * 5] * 2
+    assert first.lens is lens  # not an unread array: left for the step's own transfer
+    filled = np.full((2, 5), -1, np.int32)
+    assert copies.swap(_Inputs(filled, lens), lambda: _Inputs(sharding, sharding)).history is filled
+    copies.delete()
+    assert first.history.is_deleted()
+    again = copies.swap(_Inputs(history, lens), lambda: _Inputs(sharding, sharding))
+    assert not again.history.is_deleted() and np.asarray(again.history).tolist() == [[-1] * 5] * 2
