@@ -10,15 +10,19 @@ median tokens/s of each version and the median of the per-pair ratios (this chec
 the revision), and where the version keeps a step timeline (`llm.stats()`), the host's
 milliseconds per step before dispatch (median). `--prompt-tokens N` gives each sequence a
 prompt of N token ids instead of a short text; `--repetition-penalty` applies one.
+`--max-model-len N` and `--max-num-seqs N` set those engine arguments (defaults: the
+engine's); a `--max-model-len` beyond the default model's 2,048 positions runs a copy of it
+whose `max_position_embeddings` is N (its rotary embedding takes any position).
 
     python scripts/bench_against_revision.py --revision f927afe [--batch-sizes 16] \
         [--max-tokens 256] [--pairs 8] [--runs 3] [--prompt-tokens N] \
-        [--repetition-penalty 1.1] [--json OUT]
+        [--repetition-penalty 1.1] [--max-model-len N] [--max-num-seqs N] [--json OUT]
 """
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO / "jaxengine" / "assets" / "default_model"  # `jaxengine.run_config.DEFAULT_MODEL`
 
 # Runs under either version: only the offline API both have (`LLM`, `SamplingParams`,
 # `generate`; the step timeline where there is one); prints one JSON line per batch size:
@@ -33,9 +38,9 @@ REPO = Path(__file__).resolve().parent.parent
 WORKER = """
 import json, statistics, sys, time
 from jaxengine import LLM, SamplingParams
-from jaxengine.run_config import DEFAULT_MODEL
-cache, max_tokens, runs, prompt_tokens, penalty, *batches = sys.argv[1:]
-llm = LLM(DEFAULT_MODEL, background_compile=False, compilation_cache_dir=cache)
+cache, max_tokens, runs, prompt_tokens, penalty, model, max_model_len, max_num_seqs, *batches = sys.argv[1:]
+engine_args = {k: int(v) for k, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)) if int(v)}
+llm = LLM(model, background_compile=False, compilation_cache_dir=cache, **engine_args)
 params = SamplingParams(
     max_tokens=int(max_tokens), temperature=0, ignore_eos=True, repetition_penalty=float(penalty)
 )
@@ -68,18 +73,30 @@ print("RESULT " + json.dumps(result))
 """
 
 
-def run_worker(source: Path, cache: Path, args: argparse.Namespace) -> dict[int, dict]:
+def run_worker(source: Path, cache: Path, model: Path, args: argparse.Namespace) -> dict[int, dict]:
     """One process of the version at `source`: per batch size, its median tokens/s and host
     milliseconds before dispatch."""
     env = {**os.environ, "PYTHONPATH": str(source)}
     cmd = [sys.executable, "-c", WORKER, str(cache), str(args.max_tokens), str(args.runs)]
-    cmd += [str(args.prompt_tokens), str(args.repetition_penalty)]
+    cmd += [str(args.prompt_tokens), str(args.repetition_penalty), str(model)]
+    cmd += [str(args.max_model_len), str(args.max_num_seqs)]
     cmd += [str(b) for b in args.batch_sizes]
     out = subprocess.run(cmd, env=env, cwd=source, capture_output=True, text=True, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
         raise SystemExit(f"the worker at {source} failed:\n{out.stderr[-4000:]}")
     return {int(k): v for k, v in json.loads(lines[-1].removeprefix("RESULT ")).items()}
+
+
+def model_for(max_model_len: int, tmp: Path) -> Path:
+    """The default model, or a copy of it with room for `max_model_len` positions."""
+    config = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    if max_model_len <= config["max_position_embeddings"]:
+        return DEFAULT_MODEL
+    copy = tmp / "model"
+    shutil.copytree(DEFAULT_MODEL, copy)
+    (copy / "config.json").write_text(json.dumps({**config, "max_position_embeddings": max_model_len}, indent=2))
+    return copy
 
 
 def _median_or_none(values) -> float | None:
@@ -101,6 +118,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="timed generates per process")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="prompt length in tokens (0: a short text)")
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--max-model-len", type=int, default=0, help="engine argument (0: the engine's default)")
+    parser.add_argument("--max-num-seqs", type=int, default=0, help="engine argument (0: the engine's default)")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="jaxengine-revision-") as tmp:
@@ -109,11 +128,12 @@ def main() -> None:
         try:
             sources = {"this checkout": REPO, args.revision: base}
             caches = {name: Path(tmp) / f"cache-{i}" for i, name in enumerate(sources)}
+            model = model_for(args.max_model_len, Path(tmp))
             rates: dict[str, list[dict[int, float]]] = {name: [] for name in sources}
             for pair in range(args.pairs):
                 order = list(sources) if pair % 2 == 0 else list(sources)[::-1]
                 for name in order:
-                    rates[name].append(run_worker(sources[name], caches[name], args))
+                    rates[name].append(run_worker(sources[name], caches[name], model, args))
                 print(f"pair {pair}: " + ", ".join(f"{n} {rates[n][-1]}" for n in sources), flush=True)
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
