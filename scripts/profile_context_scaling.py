@@ -87,6 +87,7 @@ def sampler_case(max_len: int, context: int, penalties: bool):
         speculates=np.zeros(SEQS, bool),
         feed_rows=np.full(SEQS, -1, np.int32),
         history_feed=np.full(SEQS, -1, np.int32),
+        history_ends=np.full(SEQS, -1, np.int32),
     )
     logits = jnp.asarray(rng.standard_normal((SEQS, VOCAB)), jnp.float32)
     return jax.jit(functools.partial(sample_tokens, num_logprobs=20)), (logits, sb)

@@ -20,6 +20,7 @@ import math
 import numpy as np
 
 from jaxengine.cache import checkpoint_policy
+from jaxengine.engine.ignored_inputs import ignored
 from jaxengine.engine.sampler import SamplingBatch
 from jaxengine.engine.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
@@ -30,7 +31,6 @@ from jaxengine.engine.sampling_params import (
 )
 from jaxengine.engine.scheduler import ScheduledStep
 from jaxengine.engine.structured_output import fill_row
-from jaxengine.engine.unread_inputs import unread
 from jaxengine.models.batch import StepBatch
 
 
@@ -253,14 +253,14 @@ class BatchBuilder:
         seeds = np.zeros(s_size, np.uint32)
         steps = np.zeros(s_size, np.int32)
         # Only penalties read the histories, and only grammars the masks: without one in the
-        # step the device gets the same unread array, so a step's host work grows neither
+        # step the device gets the same ignored array, so a step's host work grows neither
         # with its sequences' lengths nor with max_model_len.
         penalised = any(_penalised(seq.params) for seq in step.seqs)
         constrained_step = any(seq.matcher is not None for seq in step.seqs)
         if penalised:
             history = np.full((s_size, self.max_model_len), -1, np.int32)
         else:
-            history = unread((s_size, self.max_model_len), -1)
+            history = ignored((s_size, self.max_model_len), -1)
         history_lens = np.zeros(s_size, np.int32)
         prompt_lens = np.zeros(s_size, np.int32)
         banned = np.full((s_size, MAX_STOP_TOKEN_IDS), -1, np.int32)
@@ -273,7 +273,7 @@ class BatchBuilder:
         allowed_ids = np.full((s_size, MAX_ALLOWED_TOKEN_IDS), -1, np.int32)
         bad_ids = np.full((s_size, MAX_BAD_WORDS), -1, np.int32)
         mask_shape = (s_size, -(-self.vocab_size // 32))
-        grammar_mask = np.zeros(mask_shape, np.int32) if constrained_step else unread(mask_shape, 0)
+        grammar_mask = np.zeros(mask_shape, np.int32) if constrained_step else ignored(mask_shape, 0)
         constrained = np.zeros(s_size, bool)
         width = shape.sample_width
         sample_rows = np.zeros((s_size, width), np.int32)
@@ -406,6 +406,7 @@ class BatchBuilder:
             speculates=speculates,
             feed_rows=feed_rows,
             history_feed=history_feed,
+            history_ends=ignored((s_size,), -1),  # the device's (`sampler.fed`)
         )
         return batch, sampling
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -10,6 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import PyTreeDef
 
+from jaxengine.engine.ignored_inputs import DeviceCopies
 from jaxengine.engine.mesh import Parallelism, Rules, axis_rules, param_shardings
 from jaxengine.engine.multihost import Lockstep
 from jaxengine.engine.pools import allocate_pools, pool_shardings
@@ -25,7 +27,6 @@ from jaxengine.engine.sampler import (
 from jaxengine.engine.spec.acceptance import last_accepted_rows
 from jaxengine.engine.step_executables import StepExecutables
 from jaxengine.engine.step_store import StepStore
-from jaxengine.engine.unread_inputs import DeviceCopies
 from jaxengine.models.batch import Pools, StepBatch
 from jaxengine.models.config import ModelConfig
 from jaxengine.models.draft_chain import draft_model_drafts
@@ -220,8 +221,10 @@ class ModelRunner:
         self.steps = StepExecutables(self._lower, self._file_key, store or StepStore(None))
         # With several processes, process 0's steps run on the others too (`multihost.py`).
         self.lockstep = Lockstep()
-        # The batch builder's inputs for steps that do not read them, kept on the devices.
-        self.unread = DeviceCopies()
+        # The batch builder's inputs for steps that ignore them, kept on the devices, in the
+        # shardings each executable takes its sampling inputs in.
+        self.ignored = DeviceCopies()
+        self._sampling_shardings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def pools_lost(self) -> bool:
         """Whether the pools were donated to a step that did not hand new ones back."""
@@ -261,11 +264,18 @@ class ModelRunner:
     ) -> tuple[SampleOutput, Pools | None, Pools]:
         """Runs a step executable on the current pools (donating them) and returns the new
         ones (the draft model's, then the target's)."""
-        sampling = self.unread.swap(sampling, lambda: executable.input_shardings[1]["sampling"])
+        sampling = self.ignored.swap(sampling, lambda: self._shardings_of(executable))
         out, draft_pools, pools = executable(
             **self._step_args(batch, sampling, self.pools, self.draft_pools, self.feed)
         )
         return out, draft_pools if sampling.runs_drafter else self.draft_pools, pools
+
+    def _shardings_of(self, executable: jax.stages.Compiled) -> SamplingBatch:
+        """The shardings `executable` takes its sampling inputs in (a SamplingBatch of them)."""
+        shardings = self._sampling_shardings.get(executable)
+        if shardings is None:
+            shardings = self._sampling_shardings[executable] = executable.input_shardings[1]["sampling"]
+        return shardings
 
     def executable(self, batch: StepBatch, sampling: SamplingBatch, *, decode: bool) -> jax.stages.Compiled:
         """The step executable for this batch's shape: ready, loaded from the store, or compiled."""
@@ -320,7 +330,7 @@ class ModelRunner:
         (stopped after the compile in flight) and its device arrays. The runner cannot run
         steps after."""
         self.steps.close()
-        self.unread.delete()
+        self.ignored.delete()
         for leaf in jax.tree.leaves((self.pools, self.draft_pools, self.param_leaves, self.draft_leaves, self.feed)):
             if not leaf.is_deleted():
                 leaf.delete()

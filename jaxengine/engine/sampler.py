@@ -28,7 +28,10 @@ class SamplingBatch:
     repetition_penalty: jax.Array  # [S] float32
     seeds: jax.Array  # [S] uint32
     steps: jax.Array  # [S] int32: index of the output token being drawn
-    history: jax.Array  # [S, L] int32: prompt then output tokens, then drafts; -1 padded
+    # [S, L] int32: prompt then output tokens, then drafts; -1 padded (its last token -1 where
+    # the host has not read it: `history_ends`). A step without penalties ignores it (and gets
+    # one constant array: `ignored_inputs.py`).
+    history: jax.Array
     history_lens: jax.Array  # [S] int32: tokens of `history` before the drafts
     prompt_lens: jax.Array  # [S] int32
     banned: jax.Array  # [S, B] int32: ids that may not be drawn before output index min_tokens, -1 padded
@@ -50,9 +53,10 @@ class SamplingBatch:
     # Tokens the host has not read yet (an overlapped loop, `llm_engine.py`): they come from the
     # previous step's `SampleOutput.feed` on the device.
     feed_rows: jax.Array  # [T] int32: per token, the previous step's row whose token it is, or -1 (the host's id)
-    # [S] int32: the previous step's row whose token ends the history, or -1; after `fed`, that
-    # token itself (-1: none), which the penalties put in its place (`_history`).
-    history_feed: jax.Array
+    history_feed: jax.Array  # [S] int32: the previous step's row whose token ends the history, or -1
+    # [S] int32: that token, which the penalties put at the history's end (`_history`), or -1;
+    # set on the device by `fed` (the host's is all -1).
+    history_ends: jax.Array
 
     @property
     def runs_drafter(self) -> bool:
@@ -132,13 +136,13 @@ def prompt_logprobs(
 
 
 def _history(sb: SamplingBatch, rows: RowSettings) -> jax.Array:
-    """Each row's sequence's history [R, L], its last token the fed one where the host had not
-    read it (`fed`). `sb` holds per-row settings but the per-sequence history and feed."""
+    """Each row's sequence's history [R, L], ending with the fed token where the host had not
+    read it (`fed`). `sb` holds per-row settings but the per-sequence history and its ends."""
     history = jnp.asarray(sb.history)[rows.seq]  # [R, L]
-    fed_token = sb.history_feed[rows.seq]  # [R]
-    last = jnp.maximum(sb.history_lens - 1, 0)  # [R]: its sequence's last token
+    end = sb.history_ends[rows.seq]  # [R]
+    last = jnp.maximum(sb.history_lens - 1, 0)  # [R]: where its sequence's history ends
     at = jnp.arange(history.shape[0])
-    return history.at[at, last].set(jnp.where(fed_token >= 0, fed_token, history[at, last]))
+    return history.at[at, last].set(jnp.where(end >= 0, end, history[at, last]))
 
 
 def _apply_penalties(logits: jax.Array, sb: SamplingBatch, rows: RowSettings) -> jax.Array:
@@ -250,6 +254,7 @@ def _per_row(seq_sb: SamplingBatch, rows: RowSettings) -> SamplingBatch:
             "speculates",
             "feed_rows",
             "history_feed",
+            "history_ends",
         )
     }
     return dataclasses.replace(seq_sb, **per_row, steps=rows.steps)
@@ -312,12 +317,12 @@ def sample_tokens(logits: jax.Array, seq_sb: SamplingBatch, num_logprobs: int) -
 
 def fed(batch: StepBatch, sb: SamplingBatch, feed: jax.Array) -> tuple[StepBatch, SamplingBatch]:
     """The step's token ids with the tokens the host has not read taken from the previous
-    step's `feed` [F] (`SamplingBatch.feed_rows`), and `history_feed` turned into the tokens
-    that end the histories. The histories themselves are left alone: only penalties read them,
-    and put that token in (`_history`), so a step without penalties does not copy them."""
+    step's `feed` [F] (`SamplingBatch.feed_rows`), and the tokens that end the histories
+    (`history_feed` -> `history_ends`). The histories themselves are left alone: only penalties
+    read them, and put those tokens in (`_history`), so a step without penalties copies none."""
     ids = jnp.where(sb.feed_rows >= 0, feed[jnp.maximum(sb.feed_rows, 0)], batch.input_ids)
     ends = jnp.where(sb.history_feed >= 0, feed[jnp.maximum(sb.history_feed, 0)], -1)
-    return dataclasses.replace(batch, input_ids=ids), dataclasses.replace(sb, history_feed=ends)
+    return dataclasses.replace(batch, input_ids=ids), dataclasses.replace(sb, history_ends=ends)
 
 
 def feed_of(tokens: jax.Array, size: int) -> jax.Array:

@@ -55,6 +55,7 @@ def _batch(n: int, **overrides) -> SamplingBatch:
         speculates=np.zeros(n, bool),
         feed_rows=np.full(n, -1, np.int32),
         history_feed=np.full(n, -1, np.int32),
+        history_ends=np.full(n, -1, np.int32),
     )
     for key, value in overrides.items():
         fields[key] = np.asarray(value, dtype=fields[key].dtype)
@@ -352,6 +353,7 @@ def test_a_repetition_penalty_counts_the_token_fed_from_the_previous_step():
     unread = dataclasses.replace(
         host, history=np.array([[3, -1, -1, -1, -1, -1]], np.int32), history_feed=np.zeros(1, np.int32)
     )
+    assert int(np.asarray(sample_tokens(LOGITS, unread, num_logprobs=0).tokens)[0]) == 1  # before `fed`: not counted
     _, unread = sampler.fed(_Ids(np.zeros(1, np.int32)), unread, np.array([1], np.int32))
     want = int(np.asarray(sample_tokens(LOGITS, host, num_logprobs=0).tokens)[0])
     assert want == 2  # token 1, the most likely, penalised away

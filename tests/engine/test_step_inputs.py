@@ -2,8 +2,8 @@
 
 A step's host work must not grow with context or with `max_model_len`: sequences' tokens and
 pages are converted to arrays only as they grow (`list_mirror.Int32Mirror`), and inputs that
-no sequence of a step reads (penalties' histories, grammar masks) are one read-only array the
-runner keeps on the devices (`unread_inputs.py`)."""
+a step ignores (penalties' histories, grammar masks) are one read-only array the
+runner keeps on the devices (`ignored_inputs.py`)."""
 
 import dataclasses
 import pickle
@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxengine.engine.batch_builder import BatchBuilder
+from jaxengine.engine.ignored_inputs import DeviceCopies, ignored
 from jaxengine.engine.list_mirror import Int32Mirror
 from jaxengine.engine.sampling_params import SamplingParams
 from jaxengine.engine.scheduler import ScheduledStep
 from jaxengine.engine.sequence import Sequence
-from jaxengine.engine.unread_inputs import DeviceCopies, unread
 from tests.property_examples import examples
 
 # Ops on a followed list: append some items, replace it by a new list, or cut it shorter in place.
@@ -59,7 +59,7 @@ def _decoding(tokens: list[int], pages: list[int], params: SamplingParams) -> Se
     return seq
 
 
-def test_steps_without_penalties_share_one_unread_history_and_others_fill_theirs():
+def test_steps_without_penalties_share_one_ignored_history_and_others_fill_theirs():
     builder = _builder()
     plain = _decoding([5, 6, 7, 8, 9], [3, 4], SamplingParams())
     penalised = _decoding([5, 6, 7, 8, 9, 10], [7, 8], SamplingParams(repetition_penalty=1.2))
@@ -93,21 +93,28 @@ class _Inputs:
     lens: object
 
 
-def test_unread_arrays_become_one_device_copy_and_others_pass_through():
-    history = unread((2, 5), -1)
-    assert unread((2, 5), -1) is history and unread((2, 5), 0) is not history
+def test_ignored_arrays_become_one_device_copy_per_sharding_and_others_pass_through():
+    history = ignored((2, 5), -1)
+    assert ignored((2, 5), -1) is history and ignored((2, 5), 0) is not history
     assert pickle.loads(pickle.dumps(history)) is history  # another process's own (`multihost.Lockstep`)
+    view = pickle.loads(pickle.dumps(history[:1]))  # a view of one is a plain array
+    assert type(view) is np.ndarray and view.tolist() == [[-1] * 5]
     copies = DeviceCopies()
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     lens = np.array([3, 4], np.int32)
-    first = copies.swap(_Inputs(history, lens), lambda: _Inputs(sharding, sharding))
-    second = copies.swap(_Inputs(history, lens), lambda: _Inputs(sharding, sharding))
+    first = copies.swap(_Inputs(history, lens), lambda: _Inputs(one, one))
+    second = copies.swap(_Inputs(history, lens), lambda: _Inputs(one, one))
     assert isinstance(first.history, jax.Array) and first.history is second.history
     assert np.asarray(first.history).tolist() == [[-1] * 5] * 2
-    assert first.lens is lens  # not an unread array: left for the step's own transfer
+    assert first.lens is lens  # not an ignored array: left for the step's own transfer
     filled = np.full((2, 5), -1, np.int32)
-    assert copies.swap(_Inputs(filled, lens), lambda: _Inputs(sharding, sharding)).history is filled
+    assert copies.swap(_Inputs(filled, lens), lambda: _Inputs(one, one)).history is filled
+    assert not isinstance(copies.swap(_Inputs(history[:, :], lens), lambda: _Inputs(one, one)).history, jax.Array)
+    # Another executable may take it in another sharding: a copy of its own.
+    named = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("x",)), jax.sharding.PartitionSpec())
+    elsewhere = copies.swap(_Inputs(history, lens), lambda: _Inputs(named, named)).history
+    assert elsewhere.sharding == named and elsewhere is not first.history and first.history.sharding == one
     copies.delete()
     assert first.history.is_deleted()
-    again = copies.swap(_Inputs(history, lens), lambda: _Inputs(sharding, sharding))
+    again = copies.swap(_Inputs(history, lens), lambda: _Inputs(one, one))
     assert not again.history.is_deleted() and np.asarray(again.history).tolist() == [[-1] * 5] * 2
