@@ -56,8 +56,9 @@ class DeviceCopies:
     def swap(self, inputs, shardings: Callable[[], object]):
         """`inputs` (a dataclass of arrays) with each ignored array replaced by its device
         copy in that field's sharding in `shardings()` (a dataclass of the same fields: the
-        step's expected input shardings, which XLA chooses per executable), made the first
-        time that array is asked for in that sharding."""
+        step's expected input shardings, which XLA chooses per executable; None for an input
+        the executable dropped, which stays as it is), made the first time that array is
+        asked for in that sharding."""
         swapped = {
             name: self._copy(value, getattr(shardings(), name))
             for name, value in vars(inputs).items()
@@ -65,7 +66,9 @@ class DeviceCopies:
         }
         return dataclasses.replace(inputs, **swapped) if swapped else inputs
 
-    def _copy(self, value: IgnoredArray, sharding: jax.sharding.Sharding) -> jax.Array:
+    def _copy(self, value: IgnoredArray, sharding: jax.sharding.Sharding | None) -> jax.Array | IgnoredArray:
+        if sharding is None:  # an input the executable does not take at all (XLA dropped it)
+            return value
         copy = self._copies.get((id(value), sharding))
         if copy is None:
             plain = value.view(np.ndarray)

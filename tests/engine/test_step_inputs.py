@@ -114,6 +114,8 @@ def test_ignored_arrays_become_one_device_copy_per_sharding_and_others_pass_thro
     named = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("x",)), jax.sharding.PartitionSpec())
     elsewhere = copies.swap(_Inputs(history, lens), lambda: _Inputs(named, named)).history
     assert elsewhere.sharding == named and elsewhere is not first.history and first.history.sharding == one
+    dropped = copies.swap(_Inputs(history, lens), lambda: _Inputs(None, None)).history
+    assert dropped is history  # an input the executable dropped (never read): nothing to copy
     copies.delete()
     assert first.history.is_deleted()
     again = copies.swap(_Inputs(history, lens), lambda: _Inputs(one, one))
