@@ -26,10 +26,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from revision_worktree import REPO, revision_worktree
+
 DEFAULT_MODEL = REPO / "jaxengine" / "assets" / "default_model"  # `jaxengine.run_config.DEFAULT_MODEL`
 
 # Runs under either version: only the offline API both have (`LLM`, `SamplingParams`,
@@ -122,21 +122,17 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=0, help="engine argument (0: the engine's default)")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="jaxengine-revision-") as tmp:
-        base = Path(tmp) / "revision"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), args.revision], check=True)
-        try:
-            sources = {"this checkout": REPO, args.revision: base}
-            caches = {name: Path(tmp) / f"cache-{i}" for i, name in enumerate(sources)}
-            model = model_for(args.max_model_len, Path(tmp))
-            rates: dict[str, list[dict[int, float]]] = {name: [] for name in sources}
-            for pair in range(args.pairs):
-                order = list(sources) if pair % 2 == 0 else list(sources)[::-1]
-                for name in order:
-                    rates[name].append(run_worker(sources[name], caches[name], model, args))
-                print(f"pair {pair}: " + ", ".join(f"{n} {rates[n][-1]}" for n in sources), flush=True)
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
+    with revision_worktree(args.revision) as base:
+        tmp = base.parent
+        sources = {"this checkout": REPO, args.revision: base}
+        caches = {name: tmp / f"cache-{i}" for i, name in enumerate(sources)}
+        model = model_for(args.max_model_len, tmp)
+        rates: dict[str, list[dict[int, float]]] = {name: [] for name in sources}
+        for pair in range(args.pairs):
+            order = list(sources) if pair % 2 == 0 else list(sources)[::-1]
+            for name in order:
+                rates[name].append(run_worker(sources[name], caches[name], model, args))
+            print(f"pair {pair}: " + ", ".join(f"{n} {rates[n][-1]}" for n in sources), flush=True)
     results = {}
     for batch in args.batch_sizes:
         ours = [r[batch]["tokens_per_s"] for r in rates["this checkout"]]

@@ -143,8 +143,9 @@ def marconi(radix_cache, requests: list, budget: float, version: int, cfg) -> fl
     )
     with contextlib.redirect_stdout(io.StringIO()):
         for i, r in enumerate(requests):
-            tree.match_prefix(r.input_tokens)
-            tree.insert(token_ids=r.input_tokens + r.output_tokens, state_at_leaf=i, state_at_branchoff=i)
+            prompt = list(r.input_tokens)
+            tree.match_prefix(prompt)
+            tree.insert(token_ids=prompt + list(r.output_tokens), state_at_leaf=i, state_at_branchoff=i)
         return tree.get_cache_stats(verbose=False)[1]
 
 

@@ -12,7 +12,9 @@ The trace is JSON Lines in the format of `TRACES.md` (`--format tokens`, the def
 FAST'25 traces of kvcache-ai/Mooncake): `input_length`, `output_length` and `hash_ids`, one id
 per block of `--block-tokens` prompt tokens, equal ids meaning equal blocks. Block h becomes
 `--block-tokens` token ids of its own, the last block cut to the input length; each output
-gets fresh ids, so a hit can end only at a block boundary. `--replica K/M` keeps the requests
+gets fresh ids, so a hit can end only at a block boundary (prompts are held as their blocks'
+ids and expanded one request at a time, so traces of hundreds of millions of tokens, such as
+those hashed per 16-token block, fit in memory). `--replica K/M` keeps the requests
 one of M replicas serves under prefix-affinity routing: those whose second block id (the
 first, for a one-block prompt; the first block is a prompt every request shares) is K mod M. Requests run one at a time in line order through the real `Scheduler` and
 `PrefixCache`: the prompt is prefilled in one chunk (its `num_cached_tokens` is the hit), the
@@ -34,6 +36,7 @@ delta rule) in `--state-dtype`. `--retention` is the engine's `prefix_cache_rete
 """
 
 import argparse
+import collections.abc
 import dataclasses
 import functools
 import json
@@ -44,6 +47,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxengine.cache import checkpoint_policy
@@ -64,14 +68,56 @@ LIVE_SLOTS = 2  # the running request's read and write slots
 MAX_BATCHED_TOKENS = 1 << 30  # one chunk per prompt
 
 
+class BlockTokens(collections.abc.Sequence):
+    """Token ids in runs of consecutive ids, made when read: run k is `starts[k]`,
+    `starts[k] + 1`, ... (`run_tokens` of them), all runs together cut to `length` tokens.
+    Mooncake's prompts are such runs (block h starts at h * block tokens) and so are its fresh
+    outputs (one run). Only the starts are held, so a trace of hundreds of millions of tokens
+    fits in memory; a request's list of ids is made while it is replayed (`tolist`)."""
+
+    def __init__(self, starts: list[int], run_tokens: int, length: int):
+        self.starts = np.asarray(starts, np.int64)  # [runs]
+        self.run_tokens = run_tokens
+        self.length = length
+
+    def tolist(self) -> list[int]:
+        runs = self.starts[:, None] + np.arange(self.run_tokens)  # [runs, run_tokens]
+        return runs.reshape(-1)[: self.length].tolist()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.tolist()[index]
+        if not -self.length <= index < self.length:
+            raise IndexError("token index out of range")
+        run, offset = divmod(index % self.length, self.run_tokens)
+        return int(self.starts[run]) + offset
+
+    def __iter__(self):
+        return iter(self.tolist())
+
+    def __add__(self, other) -> list[int]:
+        return self.tolist() + list(other)
+
+    def __radd__(self, other) -> list[int]:
+        return list(other) + self.tolist()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, collections.abc.Sequence) and self.tolist() == list(other)
+
+    __hash__ = None
+
+
 @dataclasses.dataclass(frozen=True)
 class TraceRequest:
     """One line of a trace."""
 
     session_id: int
     turn_id: int
-    input_tokens: list[int]
-    output_tokens: list[int]
+    input_tokens: list[int] | BlockTokens
+    output_tokens: list[int] | BlockTokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,12 +169,12 @@ def load_mooncake(path: Path, block_tokens: int, replica: tuple[int, int] | None
         records = [r for r in records if r["hash_ids"][min(1, len(r["hash_ids"]) - 1)] % m == k]
     if not records:
         raise ValueError(f"{path}: no requests" + (f" in replica {replica[0]}/{replica[1]}" if replica else ""))
-    # Block h's tokens are h * block_tokens + j; outputs take fresh blocks past every id used.
+    # Block h's tokens are h * block_tokens + j; outputs take fresh ids past every id used.
     fresh = (max(h for r in records for h in r["hash_ids"]) + 1) * block_tokens
     requests = []
     for index, r in enumerate(records):
-        prompt = [h * block_tokens + j for h in r["hash_ids"] for j in range(block_tokens)][: r["input_length"]]
-        output = list(range(fresh, fresh + r["output_length"]))
+        prompt = BlockTokens([h * block_tokens for h in r["hash_ids"]], block_tokens, r["input_length"])
+        output = BlockTokens([fresh], r["output_length"], r["output_length"])
         fresh += r["output_length"]
         requests.append(TraceRequest(-1, index, prompt, output))
     return requests

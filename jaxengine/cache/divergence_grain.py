@@ -54,10 +54,5 @@ class DivergenceGrain:
         if len(depths) < MIN_SEEN:
             return 1
         need = math.ceil(QUORUM * len(depths))
-        candidates = set()
-        for depth in depths:
-            candidates.update(divisors(depth))
-        for g in sorted(candidates, reverse=True):
-            if sum(depth % g == 0 for depth in depths) >= need:
-                return g
-        return 1
+        multiples = collections.Counter(g for depth in depths for g in divisors(depth))  # g -> depths it divides
+        return max(g for g, count in multiples.items() if count >= need)  # 1 divides them all

@@ -67,7 +67,9 @@ class Node:
     block: int  # its KV block; 0 for a model without attention layers
     children: int = 0  # registered pages that continue this prefix
     checkpoint: "Checkpoint | None" = None
-    checkpoints_below: int = 0  # checkpoints at this node or under it
+    # Checkpoints under this node (not at it) with none between them and it: more than 0 says
+    # a checkpoint is below; counted only to the nearest checkpoint above (`_add_visible`).
+    visible_below: int = 0
     # Use counts; ranked by them when pages are the hit points (attention-only models).
     origin: int = PAGE
     hits: int = 1
@@ -176,7 +178,7 @@ class PrefixCache:
         age = self.now - hit_point.last_use
         cls = hit_class(hit_point.origin, hit_point.hits)
         # A rung whose pages checkpoints below it hold frees only its own blocks when evicted.
-        held = hit_point.origin == RUNG and self.has_kv and hit_point.node.checkpoints_below > 1
+        held = hit_point.origin == RUNG and self.has_kv and hit_point.node.visible_below > 0
         value = self.rung_value if held else self.value
         return self.model.density(cls, age) * value(hit_point.depth), hit_point.hits
 
@@ -205,7 +207,7 @@ class PrefixCache:
 
     def _evictable(self, hit_point: Node | Checkpoint) -> bool:
         if isinstance(hit_point, Checkpoint):
-            if hit_point.hits and hit_point.node.checkpoints_below > 1 and hit_point.origin not in (PASSED, RUNG):
+            if hit_point.hits and hit_point.node.visible_below and hit_point.origin not in (PASSED, RUNG):
                 return False  # a used checkpoint goes after those below it (see the module's docstring)
             return self.checkpoints.get(hit_point.node.block_hash) is hit_point and hit_point.pins == 0
         return (
@@ -369,7 +371,7 @@ class PrefixCache:
             return  # its prefix is no longer cached: this page could never be reached
         node = self.nodes.get(block_hash)
         if node is not None:
-            if block and block != node.block and node.checkpoints_below == 0 and node.block not in self.pool.ref_count:
+            if block and block != node.block and _unreachable(node) and node.block not in self.pool.ref_count:
                 self._dead.pop(node, None)
                 del self.node_of_block[node.block]
                 self.pool.give_back([node.block])
@@ -442,20 +444,12 @@ class PrefixCache:
         ckpt = Checkpoint(node, blocks, origin, hits, self.now)
         node.checkpoint = ckpt
         self.checkpoints[block_hash] = ckpt
-        n = node
-        while n is not None:
-            n.checkpoints_below += 1
-            self._dead.pop(n, None)
-            above = n.checkpoint
-            if (
-                n is not node
-                and above is not None
-                and above.origin == RUNG
-                and n.checkpoints_below == 2
-                and not above.pins
-            ):
-                self._push(above)  # a rung whose pages this one now holds: its rank changed (`rank`)
-            n = n.parent
+        self._dead.pop(node, None)
+        delta = 1 - node.visible_below  # seen from above, it now stands for those below it
+        above = self._add_visible(node, delta)
+        alone_before = above is not None and above.node.visible_below - delta == 0
+        if alone_before and above.origin == RUNG and not above.pins:
+            self._push(above)  # a rung whose pages this one now holds: its rank changed (`rank`)
         self.counters.checkpoints_written += 1
         self._push(ckpt)
         return ckpt
@@ -465,20 +459,32 @@ class PrefixCache:
         del self.checkpoints[node.block_hash]
         node.checkpoint = None
         self.pool.give_back(ckpt.blocks)
-        n = node
-        while n is not None:
-            n.checkpoints_below -= 1
-            if n.checkpoint is not None and n.checkpoints_below == 1 and n.checkpoint.pins == 0:
-                self._push(n.checkpoint)
-            n = n.parent
+        above = self._add_visible(node, node.visible_below - 1)  # those below it stand for themselves
+        if above is not None and not above.node.visible_below and not above.pins:
+            self._push(above)  # none below it any more: evictable, and ranked alone (`rank`)
         self._maybe_dead(node)
+
+    def _add_visible(self, node: Node, delta: int) -> Checkpoint | None:
+        """Adds `delta` to the visible counts of `node`'s ancestors up to the nearest one with
+        a checkpoint, which it returns (None: there is none, or nothing changed). Those further
+        up see that checkpoint and not what is below it, so a change costs the distance to it,
+        not the depth of the tree (a page or two where checkpoints are dense)."""
+        if delta == 0:
+            return None
+        n = node.parent
+        while n is not None:
+            n.visible_below += delta
+            if n.checkpoint is not None:
+                return n.checkpoint
+            n = n.parent
+        return None
 
     # ------------------------------------------------------------------ eviction
 
     def _is_dead(self, node: Node) -> bool:
         return (
             self.recurrent
-            and node.checkpoints_below == 0
+            and _unreachable(node)
             and node.children == 0
             and (not node.block or node.block not in self.pool.ref_count)
         )
@@ -549,8 +555,8 @@ class PrefixCache:
 
     @property
     def num_page_blocks(self) -> int:
-        """Cached pages no running sequence holds."""
-        return sum(1 for b in self.node_of_block if b not in self.pool.ref_count)
+        """Cached pages no running sequence holds (counted from the held ones: far fewer)."""
+        return len(self.node_of_block) - sum(1 for b in self.pool.ref_count if b in self.node_of_block)
 
     @property
     def num_checkpoint_blocks(self) -> int:
@@ -572,20 +578,30 @@ class PrefixCache:
         assert set().union(*groups) == set(range(1, pool.num_blocks)), "a block is lost or block 0 is in use"
         assert all(len(c.blocks) == self.checkpoint_blocks for c in self.checkpoints.values())
         children = collections.Counter(n.parent.block_hash for n in self.nodes.values() if n.parent is not None)
-        below = collections.Counter()
+        visible = collections.Counter()
         for ckpt in self.checkpoints.values():
             assert ckpt.node.checkpoint is ckpt and ckpt.pins >= 0
             n = ckpt.node
             while n is not None:
                 assert self.nodes.get(n.block_hash) is n, "a checkpoint's page is gone"
                 assert not self.has_kv or n.block, "a checkpoint's page holds no block"
-                below[n.block_hash] += 1
+                n = n.parent
+            n = ckpt.node.parent  # it is visible up to the nearest checkpoint above, that included
+            while n is not None:
+                visible[n.block_hash] += 1
+                if n.checkpoint is not None:
+                    break
                 n = n.parent
         for h, node in self.nodes.items():
             assert node.block_hash == h and (
                 node.parent is None or self.nodes.get(node.parent.block_hash) is node.parent
             )
             assert node.children == children[h], "a child count is off"
-            assert node.checkpoints_below == below[h], "a checkpoint count is off"
+            assert node.visible_below == visible[h], "a checkpoint count is off"
             assert (node in self._dead) == self._is_dead(node), "the dead-page list is off"
         assert all(self.nodes.get(n.block_hash) is n for n in self._dead)
+
+
+def _unreachable(node: Node) -> bool:
+    """No checkpoint at or below the node: no hit can end at or below it."""
+    return node.checkpoint is None and not node.visible_below

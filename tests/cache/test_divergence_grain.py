@@ -1,8 +1,12 @@
 """The page multiple prefixes part at, learned from where requests leave known paths."""
 
+import math
 import random
 
-from jaxengine.cache.divergence_grain import MIN_SEEN, WINDOW, DivergenceGrain, divisors
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jaxengine.cache.divergence_grain import MIN_SEEN, QUORUM, WINDOW, DivergenceGrain, divisors
 
 
 def _grain(depths: list[int]) -> int:
@@ -38,3 +42,13 @@ def test_too_few_distinct_depths_give_one_page():
 
 def test_the_grain_follows_the_recent_window():
     assert _grain([32 * k for k in range(1, 20)] + [3 * k + 1 for k in range(WINDOW)]) == 1
+
+
+@given(st.lists(st.integers(1, 2000), min_size=1, max_size=2 * WINDOW))
+def test_the_grain_is_the_largest_page_multiple_a_quorum_of_recent_depths_share(depths):
+    recent = set(depths[-WINDOW:])
+    want = 1
+    if len(recent) >= MIN_SEEN:  # every g from the largest depth down, spelled out
+        need = math.ceil(QUORUM * len(recent))
+        want = next(g for g in range(max(recent), 0, -1) if sum(d % g == 0 for d in recent) >= need)
+    assert _grain(depths) == want

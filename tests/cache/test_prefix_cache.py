@@ -177,7 +177,7 @@ def test_a_candidate_resumed_from_on_a_path_nothing_branches_from_is_passed_else
     assert (match.hit_pages, match.reach_pages) == (4, 5)
     assert cache.record_hit(match) == (1, True)
     candidate = cache.checkpoints[hashes[3]]
-    assert candidate.origin == PASSED and candidate.node.checkpoints_below == 2 and cache._evictable(candidate)
+    assert candidate.origin == PASSED and candidate.node.visible_below == 1 and cache._evictable(candidate)
     branched = extend_hashes([], [1] * 4 + [2] * 8, PAGE, root_hash(None))  # parts at the candidate
     match = cache.match(branched)
     assert (match.hit_pages, match.reach_pages) == (2, 2)
@@ -205,7 +205,7 @@ def test_a_rung_may_go_before_those_below_and_is_ranked_by_what_it_saves_over_th
     cache.release(blocks)
     cache.check_invariants()
     rung, prompt = cache.checkpoints[hashes[1]], cache.checkpoints[hashes[5]]
-    assert rung.node.checkpoints_below == 2 and cache._evictable(rung)  # a used prompt end there would wait
+    assert rung.node.visible_below == 1 and cache._evictable(rung)  # a used prompt end there would wait
     density = cache.model.density(hit_class(RUNG, 1), 0)
     assert cache.rank(rung) == (density * 1004.0, 1)  # the prompt end below holds its pages
     # The eviction order has it at that rank in the same tick: a checkpoint ranked between its
@@ -222,7 +222,7 @@ def test_without_attention_layers_a_rung_is_valued_like_any_checkpoint():
     for depth, origin in ((4, RUNG), (12, PROMPT)):
         cache.commit(cache.reserve_checkpoint(depth, origin, 1), hashes[depth // PAGE - 1], origin, 1)
     rung = cache.checkpoints[hashes[1]]
-    assert rung.node.checkpoints_below == 2  # no pages held for the one below: only its own blocks
+    assert rung.node.visible_below == 1  # no pages held for the one below: only its own blocks
     assert cache.rank(rung) == (cache.model.density(hit_class(RUNG, 1), 0) * 4.0, 1)
 
 
@@ -255,3 +255,23 @@ def test_a_checkpoint_left_out_for_want_of_room_teaches_the_ranking_when_wanted(
         cache.now += 1
     cache.match(wanted)  # a request that would have hit it
     assert wanted[1] not in cache.model.ghosts and cache.model.density(cls, 5) > before
+
+
+def test_a_checkpoint_is_counted_only_up_to_the_nearest_checkpoint_above():
+    # What is below a checkpoint is seen from above as that checkpoint alone, so writing or
+    # dropping one walks to the nearest checkpoint above, not to the root (a long context's
+    # decode writes one at every page).
+    cache = _cache(1 + 12 + 3 * CKPT)
+    hashes = _store(cache, list(range(24)), [8])
+    top, mid, leaf = (cache.nodes[hashes[k]] for k in (1, 3, 11))
+    assert top.visible_below == 1 and mid.visible_below == 0
+    cache.commit(cache.reserve_checkpoint(24, TRAILING, 1), hashes[11], TRAILING, 1)
+    assert top.visible_below == 1  # it sees the checkpoint at 8 only, not the one past it
+    assert mid.visible_below == 1 and cache.nodes[hashes[7]].visible_below == 1
+    cache.check_invariants()
+    cache._drop_checkpoint(mid.checkpoint)  # the one at 24 is now the nearest below the root
+    assert top.visible_below == 1 and mid.visible_below == 1 and not cache._dead
+    cache.check_invariants()
+    cache._drop_checkpoint(leaf.checkpoint)  # nothing below: every page is dead, the leaf first
+    assert top.visible_below == 0 and list(cache._dead) == [leaf]
+    cache.check_invariants()

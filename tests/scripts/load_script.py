@@ -9,7 +9,11 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def load_script(name: str) -> ModuleType:
-    """`scripts/<name>.py` as the module `name` (registered in sys.modules for dataclasses)."""
+    """`scripts/<name>.py` as the module `name` (registered in sys.modules for dataclasses).
+    `scripts/` goes on the import path, as it is for a script run from there, so a script can
+    import the files beside it."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.append(str(SCRIPTS))
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

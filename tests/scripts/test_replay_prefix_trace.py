@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxengine.run_config import DEFAULT_MODEL
 from tests.scripts.load_script import load_script
@@ -433,3 +435,20 @@ def test_agent_sessions_in_mooncakes_format_name_equal_blocks_alike(tmp_path):
             assert ids == n
             shared += n > 0
     assert shared > 0  # the tool specification's blocks are shared
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=6), st.integers(1, 8), st.data())
+def test_block_tokens_read_as_the_list_of_ids_they_stand_for(ids, block, data):
+    # Mooncake's prompts are held as their blocks' first ids and expanded when read.
+    length = data.draw(st.integers(1, len(ids) * block))
+    want = [h * block + j for h in ids for j in range(block)][:length]
+    tokens = replay.BlockTokens([h * block for h in ids], block, length)
+    assert len(tokens) == length and list(tokens) == want and tokens == want and tokens.tolist() == want
+    i = data.draw(st.integers(-length, length - 1))
+    assert tokens[i] == want[i]
+    start, stop = data.draw(st.integers(-length - 2, length + 2)), data.draw(st.integers(-length - 2, length + 2))
+    assert tokens[start:stop] == want[start:stop]
+    assert tokens + [-1] == want + [-1] and [-1] + tokens == [-1] + want
+    with pytest.raises(IndexError):
+        tokens[length]
