@@ -61,7 +61,8 @@ def main() -> None:
         runs: dict[str, list[dict]] = {name: [] for name in sources}
         for pair in range(args.pairs):
             for name in list(sources) if pair % 2 == 0 else list(sources)[::-1]:
-                runs[name].append(run_replay(sources[name], replay_args, Path(tmp) / "replay.json"))
+                out = Path(tmp) / f"replay-{pair}-{list(sources).index(name)}.json"
+                runs[name].append(run_replay(sources[name], replay_args, out))
             print(
                 f"pair {pair}: " + ", ".join(f"{n} {runs[n][-1]['seconds']:.1f} s" for n in sources),
                 flush=True,
@@ -83,7 +84,7 @@ def main() -> None:
         f"token hit rate {results['token_hit_rate']:.4f}, every request's hit the same: {results['hits_identical']}"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps({"revision": args.revision, **vars(args), "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({**vars(args), "results": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -105,7 +105,12 @@ class BlockTokens(collections.abc.Sequence):
         return list(other) + self.tolist()
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, collections.abc.Sequence) and self.tolist() == list(other)
+        if not isinstance(other, list | BlockTokens):
+            return NotImplemented
+        return self.tolist() == list(other)
+
+    def __repr__(self) -> str:
+        return f"BlockTokens(starts={self.starts.tolist()}, run_tokens={self.run_tokens}, length={self.length})"
 
     __hash__ = None
 

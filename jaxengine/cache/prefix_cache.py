@@ -555,7 +555,8 @@ class PrefixCache:
 
     @property
     def num_page_blocks(self) -> int:
-        """Cached pages no running sequence holds (counted from the held ones: far fewer)."""
+        """Cached pages no running sequence holds: all cached pages less the held ones (a pass
+        over the running sequences' blocks, not over the cache)."""
         return len(self.node_of_block) - sum(1 for b in self.pool.ref_count if b in self.node_of_block)
 
     @property
