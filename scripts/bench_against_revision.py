@@ -26,6 +26,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from revision_worktree import REPO, revision_worktree
@@ -122,8 +123,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=0, help="engine argument (0: the engine's default)")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
-    with revision_worktree(args.revision) as base:
-        tmp = base.parent
+    with revision_worktree(args.revision) as base, tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
         sources = {"this checkout": REPO, args.revision: base}
         caches = {name: tmp / f"cache-{i}" for i, name in enumerate(sources)}
         model = model_for(args.max_model_len, tmp)

@@ -59,12 +59,13 @@ class DeviceCopies:
         step's expected input shardings, which XLA chooses per executable; None for an input
         the executable dropped, which stays as it is), made the first time that array is
         asked for in that sharding."""
-        swapped = {
-            name: self._copy(value, getattr(shardings(), name))
-            for name, value in vars(inputs).items()
-            if id(value) in _ids
-        }
-        return dataclasses.replace(inputs, **swapped) if swapped else inputs
+        names = [name for name, value in vars(inputs).items() if id(value) in _ids]
+        if not names:
+            return inputs
+        expected = shardings()
+        return dataclasses.replace(
+            inputs, **{name: self._copy(getattr(inputs, name), getattr(expected, name)) for name in names}
+        )
 
     def _copy(self, value: IgnoredArray, sharding: jax.sharding.Sharding | None) -> jax.Array | IgnoredArray:
         if sharding is None:  # an input the executable does not take at all (XLA dropped it)
