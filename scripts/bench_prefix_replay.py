@@ -29,7 +29,10 @@ eviction of the same clairvoyant checkpoints: what knowing *which* content retur
 *when*, is worth), and with `--marconi-dir` (a checkout of ruipeterpan/marconi; it
 needs scipy and transformers) through Marconi's simulator: V1 (SGLang's policy: LRU over radix
 leaves) and V2 (Marconi: FLOP-efficiency and recency, alpha tuned online), with the model this
-config describes (Marconi counts bytes with its own formulas, which match this 7B shape).
+config describes. Marconi sizes a model from one width d and a state size n (`marconi_model`):
+where its formulas count this model's KV and checkpoint bytes (within 5%, as for the default
+7B shape) it gets the model's own dimensions; otherwise (grouped-query attention, states other
+than Mamba2's) dimensions fitted so that it holds the bytes the replay holds.
 Marconi counts hits at token granularity and a turn's last output token as cached; the engine
 caches full pages of computed tokens. Its radix_cache_vllm variant is left out (its recursion
 fails on 12k-token requests).
@@ -128,18 +131,51 @@ def load(name: str, mooncake_dir: Path | None, out_dir: Path) -> tuple[Path, lis
     return path, [], budgets
 
 
-def marconi(radix_cache, requests: list, budget: float, version: int, cfg) -> float:
-    """Token hit rate of Marconi's simulator (its own replay loop) on `requests`."""
-    tree = radix_cache(
-        capacity_bytes=budget,
-        evict_policy_version=version,
-        eff_weight=0.0,
-        use_logical_ts=True,
+def marconi_kv_bytes(d: int) -> int:
+    """Marconi's KV bytes per token of one attention layer (its `utils.get_kvs_size`): K and V
+    of width d, 2 bytes each."""
+    return 2 * d * 2
+
+
+def marconi_state_bytes(d: int, n: int) -> int:
+    """Marconi's bytes of one SSM layer's state (its `utils.get_mamba_state_size`, expand 2,
+    conv kernel 4): a d x n state and a conv window of 2d + 2n channels, 2 bytes each."""
+    return d * n * 2 + (2 * d + 2 * n) * 4 * 2
+
+
+def marconi_model(cfg, s: replay_prefix_trace.Sizes, page_size: int) -> dict:
+    """Marconi's model arguments for `cfg`. Its one width d stands for both the KV width of an
+    attention layer and the model width of an SSM layer (true of the 7B shape it was written
+    for). Where that counts the replay's KV bytes a token and checkpoint bytes within 5%, the
+    model's own dimensions; otherwise d is the attention layers' KV width (the model width
+    without attention) and n the state size at which the model's SSM layers hold the replay's
+    checkpoint, so both caches hold the same bytes (V2's FLOP estimates then use those too)."""
+    layers = dict(
         num_ssm_layers=cfg.num_recurrent_layers,
         num_attn_layers=cfg.num_attention_layers,
         num_mlp_layers=sum(layer.ffn is not None for layer in cfg.layers),
-        d=cfg.hidden_size,
-        n=cfg.mamba.state_size,
+    )
+    kv = s.kv_page_bytes / page_size  # the replay's KV bytes a token, every attention layer
+    a = cfg.attention
+    if cfg.mamba is not None:
+        own = dict(d=cfg.hidden_size, n=cfg.mamba.state_size)
+        kv_own = cfg.num_attention_layers * marconi_kv_bytes(own["d"])
+        state_own = cfg.num_recurrent_layers * marconi_state_bytes(own["d"], own["n"])
+        if abs(kv_own - kv) <= 0.05 * kv and abs(state_own - s.checkpoint_bytes) <= 0.05 * s.checkpoint_bytes:
+            return dict(layers, **own)
+    d = round(kv / (cfg.num_attention_layers * marconi_kv_bytes(1))) if a else cfg.hidden_size
+    n = 0
+    if cfg.num_recurrent_layers:
+        per_layer = s.checkpoint_bytes / cfg.num_recurrent_layers  # = 2dn + 16d + 16n
+        n = max(1, round((per_layer - 16 * d) / (2 * d + 16)))
+    return dict(layers, d=d, n=n)
+
+
+def marconi(radix_cache, requests: list, budget: float, version: int, model: dict) -> float:
+    """Token hit rate of Marconi's simulator (its own replay loop) on `requests`, with the
+    model arguments `model` (`marconi_model`)."""
+    tree = radix_cache(
+        capacity_bytes=budget, evict_policy_version=version, eff_weight=0.0, use_logical_ts=True, **model
     )
     with contextlib.redirect_stdout(io.StringIO()):
         for i, r in enumerate(requests):
@@ -186,8 +222,9 @@ def run_trace(name: str, path: Path, fmt: list[str], budgets: list[float], model
             row[column] = sum(hits) / num_input
         if radix_cache is not None:
             start = time.perf_counter()
-            row["Marconi V1"] = marconi(radix_cache, requests, gb * GB, 1, cfg)
-            row["Marconi V2"] = marconi(radix_cache, requests, gb * GB, 2, cfg)
+            model = marconi_model(cfg, s, 16)
+            row["Marconi V1"] = marconi(radix_cache, requests, gb * GB, 1, model)
+            row["Marconi V2"] = marconi(radix_cache, requests, gb * GB, 2, model)
             row["marconi seconds"] = time.perf_counter() - start
         rows[f"{gb:g}"] = row
         print(_line(name, gb, row), flush=True)

@@ -1,0 +1,42 @@
+"""Marconi's simulator is given a model that holds the bytes the replay holds: the 7B shape it
+was written for keeps its own dimensions, other shapes get fitted ones."""
+
+from pathlib import Path
+
+import pytest
+
+from jaxengine.models.arch import load_model_config
+from tests.scripts.load_script import load_script
+
+bench = load_script("bench_prefix_replay")
+replay = load_script("replay_prefix_trace")
+MODELS = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+def _sizes(name: str):
+    cfg = load_model_config(MODELS / name)
+    return cfg, replay.sizes(cfg, 10**10, 16, 2, 2, 1000)
+
+
+def _marconi_bytes(model: dict) -> tuple[int, int]:
+    """KV bytes a token and bytes of one checkpoint, by the formulas of Marconi's `utils.py`
+    (get_kvs_size: 2 * l * d * 2; get_mamba_state_size: d * n * 2 + (2d + 2n) * 4 * 2)."""
+    d, n = model["d"], model["n"]
+    return model["num_attn_layers"] * 2 * d * 2, model["num_ssm_layers"] * (d * n * 2 + (2 * d + 2 * n) * 8)
+
+
+def test_the_7b_shape_keeps_its_own_dimensions():
+    cfg, s = _sizes("nemotron-h-7b-shape")
+    model = bench.marconi_model(cfg, s, 16)
+    # The issue's model: 24 Mamba2 layers, 4 attention layers, width 4096, state 128.
+    assert (model["num_ssm_layers"], model["num_attn_layers"], model["d"], model["n"]) == (24, 4, 4096, 128)
+
+
+@pytest.mark.parametrize("name", ["nemotron-h-56b-shape", "jamba-mini-1.5-shape", "qwen3-next-80b-a3b-thinking-shape"])
+def test_other_shapes_get_the_replays_bytes(name):
+    cfg, s = _sizes(name)
+    model = bench.marconi_model(cfg, s, 16)
+    kv, checkpoint = _marconi_bytes(model)
+    assert kv == s.kv_page_bytes / 16
+    assert checkpoint == pytest.approx(s.checkpoint_bytes, rel=0.005)
+    assert (model["num_ssm_layers"], model["num_attn_layers"]) == (cfg.num_recurrent_layers, cfg.num_attention_layers)
