@@ -20,7 +20,8 @@ import math
 import numpy as np
 
 from jaxengine.cache import checkpoint_policy
-from jaxengine.engine.ignored_inputs import ignored
+from jaxengine.engine.device_inputs import ignored
+from jaxengine.engine.padded_arrays import PaddedArrays
 from jaxengine.engine.sampler import SamplingBatch
 from jaxengine.engine.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
@@ -154,6 +155,7 @@ class BatchBuilder:
         self.num_speculative_tokens = num_speculative_tokens
         self.recurrent = recurrent
         self.drafter = drafter  # an MTP module or a draft model drafts inside the step
+        self._padded_arrays: dict[Shape, PaddedArrays] = {}
 
     def _verifying(self, s: int, verify: bool) -> dict:
         """A shape's room for drafts: a verify shape samples each sequence's last k + 1 rows
@@ -218,6 +220,62 @@ class BatchBuilder:
             return self._decode(s, _fit(len(step.saves), self._decode_saves(s, verify)), verify, drafter)
         return self._mixed(_fit(step.total_tokens, self.token_buckets), s, verify, drafter)
 
+    def _padded(self, shape: Shape) -> PaddedArrays:
+        """The maker of `shape`'s arrays, each holding its padding (made at the shape's first
+        step): name -> (shape, dtype, padding). The histories and grammar masks are not among
+        them (a step that reads none gets an ignored array)."""
+        padded = self._padded_arrays.get(shape)
+        if padded is not None:
+            return padded
+        t, s, p, c = shape.num_tokens, shape.num_seqs, shape.num_position_states, shape.num_saves
+        drafting = t if shape.runs_drafter else 0
+        i32, f32 = np.int32, np.float32
+        nb = self.blocks_per_checkpoint
+        specs = dict(
+            ids=((t,), i32, 0),
+            next_ids=((t,), i32, -1),
+            following_ids=((drafting,), i32, -1),
+            feed_rows=((t,), i32, -1),
+            history_feed=((s,), i32, -1),
+            cu=((s + 1,), i32, 0),
+            kv_lens=((s,), i32, 0),
+            page_table=((s, self.pages_per_seq), i32, 0),
+            read=((s,), i32, 0),
+            write=((s,), i32, 0),
+            temperature=((s,), f32, 0),
+            top_k=((s,), i32, 0),
+            top_p=((s,), f32, 1),
+            min_p=((s,), f32, 0),
+            presence=((s,), f32, 0),
+            frequency=((s,), f32, 0),
+            repetition=((s,), f32, 1),
+            seeds=((s,), np.uint32, 0),
+            steps=((s,), i32, 0),
+            history_lens=((s,), i32, 0),
+            prompt_lens=((s,), i32, 0),
+            banned=((s, MAX_STOP_TOKEN_IDS), i32, -1),
+            min_tokens=((s,), i32, 0),
+            wants_logprobs=((s,), bool, False),
+            wants_drafts=((s if shape.runs_drafter else 0,), bool, False),
+            speculates=((s if shape.runs_drafter else 0,), bool, False),
+            bias_ids=((s, MAX_LOGIT_BIAS), i32, -1),
+            bias_values=((s, MAX_LOGIT_BIAS), f32, 0),
+            allowed_ids=((s, MAX_ALLOWED_TOKEN_IDS), i32, -1),
+            bad_ids=((s, MAX_BAD_WORDS), i32, -1),
+            constrained=((s,), bool, False),
+            sample_rows=((s, shape.sample_width), i32, 0),
+            num_drafts=((s,), i32, 0),
+            state_seq=((p,), i32, 0),
+            state_pos=((p,), i32, -1),
+            state_slots=((p,), i32, 0),
+            restore=((s, nb), i32, 0),
+            save_seq=((c,), i32, 0),
+            save_pos=((c,), i32, -1),
+            save_blocks=((c, nb), i32, 0),
+        )
+        padded = self._padded_arrays[shape] = PaddedArrays(specs)
+        return padded
+
     def empty(self, shape: Shape) -> tuple[StepBatch, SamplingBatch]:
         """An all-padding batch of `shape` (used for warm-up): touches only the null sinks."""
         return self.build(ScheduledStep([], []), shape)
@@ -229,29 +287,16 @@ class BatchBuilder:
         The drafter's inputs (`following_ids`, `wants_drafts`, `speculates`) are empty in a
         shape without it."""
         shape = shape or self.shape_of(step)
-        t_size, s_size = shape.num_tokens, shape.num_seqs
-        ids = np.zeros(t_size, np.int32)
-        next_ids = np.full(t_size, -1, np.int32)
+        s_size = shape.num_seqs
         drafter = shape.runs_drafter
-        following_ids = np.full(t_size if drafter else 0, -1, np.int32)
-        feed_rows = np.full(t_size, -1, np.int32)
-        history_feed = np.full(s_size, -1, np.int32)
-        cu = np.full(s_size + 1, step.total_tokens, np.int32)
-        kv_lens = np.zeros(s_size, np.int32)
-        page_table = np.zeros((s_size, self.pages_per_seq), np.int32)
-        read = np.zeros(s_size, np.int32)
-        write = np.zeros(s_size, np.int32)
-
-        f32 = np.float32
-        temperature = np.zeros(s_size, f32)
-        top_k = np.zeros(s_size, np.int32)
-        top_p = np.ones(s_size, f32)
-        min_p = np.zeros(s_size, f32)
-        presence = np.zeros(s_size, f32)
-        frequency = np.zeros(s_size, f32)
-        repetition = np.ones(s_size, f32)
-        seeds = np.zeros(s_size, np.uint32)
-        steps = np.zeros(s_size, np.int32)
+        a = self._padded(shape).fresh()
+        ids, next_ids, following_ids, feed_rows = a["ids"], a["next_ids"], a["following_ids"], a["feed_rows"]
+        history_feed, cu, kv_lens, page_table = a["history_feed"], a["cu"], a["kv_lens"], a["page_table"]
+        read, write = a["read"], a["write"]
+        cu[len(step.seqs) :] = step.total_tokens
+        temperature, top_k, top_p, min_p = a["temperature"], a["top_k"], a["top_p"], a["min_p"]
+        presence, frequency, repetition = a["presence"], a["frequency"], a["repetition"]
+        seeds, steps, history_lens, prompt_lens = a["seeds"], a["steps"], a["history_lens"], a["prompt_lens"]
         # Only penalties read the histories, and only grammars the masks: without one in the
         # step the device gets the same ignored array, so a step's host work grows neither
         # with its sequences' lengths nor with max_model_len.
@@ -261,26 +306,14 @@ class BatchBuilder:
             history = np.full((s_size, self.max_model_len), -1, np.int32)
         else:
             history = ignored((s_size, self.max_model_len), -1)
-        history_lens = np.zeros(s_size, np.int32)
-        prompt_lens = np.zeros(s_size, np.int32)
-        banned = np.full((s_size, MAX_STOP_TOKEN_IDS), -1, np.int32)
-        min_tokens = np.zeros(s_size, np.int32)
-        wants_logprobs = np.zeros(s_size, bool)
-        wants_drafts = np.zeros(s_size if drafter else 0, bool)
-        speculates = np.zeros(s_size if drafter else 0, bool)
-        bias_ids = np.full((s_size, MAX_LOGIT_BIAS), -1, np.int32)
-        bias_values = np.zeros((s_size, MAX_LOGIT_BIAS), f32)
-        allowed_ids = np.full((s_size, MAX_ALLOWED_TOKEN_IDS), -1, np.int32)
-        bad_ids = np.full((s_size, MAX_BAD_WORDS), -1, np.int32)
+        banned, min_tokens, wants_logprobs = a["banned"], a["min_tokens"], a["wants_logprobs"]
+        wants_drafts, speculates = a["wants_drafts"], a["speculates"]
+        bias_ids, bias_values, allowed_ids, bad_ids = a["bias_ids"], a["bias_values"], a["allowed_ids"], a["bad_ids"]
         mask_shape = (s_size, -(-self.vocab_size // 32))
         grammar_mask = np.zeros(mask_shape, np.int32) if constrained_step else ignored(mask_shape, 0)
-        constrained = np.zeros(s_size, bool)
+        constrained, sample_rows, num_drafts = a["constrained"], a["sample_rows"], a["num_drafts"]
         width = shape.sample_width
-        sample_rows = np.zeros((s_size, width), np.int32)
-        num_drafts = np.zeros(s_size, np.int32)
-        state_seq = np.zeros(shape.num_position_states, np.int32)
-        state_pos = np.full(shape.num_position_states, -1, np.int32)
-        state_slots = np.zeros(shape.num_position_states, np.int32)
+        state_seq, state_pos, state_slots = a["state_seq"], a["state_pos"], a["state_slots"]
 
         offset = 0
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
@@ -302,7 +335,10 @@ class BatchBuilder:
                 known = seq.tokens[start + 1 : start + n + 1]  # not the drafts: their sample rows say what follows
                 following_ids[offset : offset + len(known)] = known
             cu[i] = offset
-            sample_rows[i] = offset + np.maximum(np.arange(n - width, n), 0)
+            if width == 1:  # not a verify step: its last token's row
+                sample_rows[i, 0] = offset + n - 1
+            else:
+                sample_rows[i] = offset + np.maximum(np.arange(n - width, n), 0)
             offset += n
             kv_lens[i] = start + n
             pages = seq.page_array()
@@ -310,7 +346,7 @@ class BatchBuilder:
             if seq.owned_slots:
                 read[i], write[i] = seq.read_slot, seq.write_slot
             num_drafts[i] = len(drafts)
-            for j, slot in enumerate(seq.position_slots[: len(drafts)] if self.recurrent else []):
+            for j, slot in enumerate(seq.position_slots[: len(drafts)] if self.recurrent and drafts else []):
                 p = i * self.num_speculative_tokens + j  # sequence i's after its pending token and j drafts
                 state_seq[p], state_pos[p], state_slots[p] = i, start + 1 + j, slot
 
@@ -349,16 +385,12 @@ class BatchBuilder:
                 fill_row(seq.matcher, grammar_mask, i)
                 constrained[i] = True
 
-        nb = self.blocks_per_checkpoint
-        restore = np.zeros((s_size, nb), np.int32)
+        restore = a["restore"]
         for i, blocks in step.restores:
             restore[i] = blocks
-        num_saves = shape.num_saves
-        if len(step.saves) > num_saves:
-            raise RuntimeError(f"{len(step.saves)} checkpoint saves exceed the step's {num_saves}")
-        save_seq = np.zeros(num_saves, np.int32)
-        save_pos = np.full(num_saves, -1, np.int32)
-        save_blocks = np.zeros((num_saves, nb), np.int32)
+        if len(step.saves) > shape.num_saves:
+            raise RuntimeError(f"{len(step.saves)} checkpoint saves exceed the step's {shape.num_saves}")
+        save_seq, save_pos, save_blocks = a["save_seq"], a["save_pos"], a["save_blocks"]
         for c, save in enumerate(step.saves):
             save_seq[c], save_pos[c], save_blocks[c] = save.seq_index, save.position, save.blocks
         batch = StepBatch(

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import PyTreeDef
 
-from jaxengine.engine.ignored_inputs import DeviceCopies
+from jaxengine.engine.device_inputs import DeviceInputs
 from jaxengine.engine.mesh import Parallelism, Rules, axis_rules, param_shardings
 from jaxengine.engine.multihost import Lockstep
 from jaxengine.engine.pools import allocate_pools, pool_shardings
@@ -221,10 +221,10 @@ class ModelRunner:
         self.steps = StepExecutables(self._lower, self._file_key, store or StepStore(None))
         # With several processes, process 0's steps run on the others too (`multihost.py`).
         self.lockstep = Lockstep()
-        # The batch builder's inputs for steps that ignore them, kept on the devices, in the
-        # shardings each executable takes its sampling inputs in.
-        self.ignored = DeviceCopies()
-        self._sampling_shardings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # The batch builder's inputs that steps ignore or that did not change since the last
+        # step, kept on the devices in the shardings each executable takes them in.
+        self.inputs = DeviceInputs()
+        self._input_shardings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def pools_lost(self) -> bool:
         """Whether the pools were donated to a step that did not hand new ones back."""
@@ -264,17 +264,21 @@ class ModelRunner:
     ) -> tuple[SampleOutput, Pools | None, Pools]:
         """Runs a step executable on the current pools (donating them) and returns the new
         ones (the draft model's, then the target's)."""
-        sampling = self.ignored.swap(sampling, lambda: self._shardings_of(executable))
+        shardings = functools.partial(self._shardings_of, executable)
+        batch = self.inputs.swap(batch, lambda: shardings()[0])
+        sampling = self.inputs.swap(sampling, lambda: shardings()[1])
         out, draft_pools, pools = executable(
             **self._step_args(batch, sampling, self.pools, self.draft_pools, self.feed)
         )
         return out, draft_pools if sampling.runs_drafter else self.draft_pools, pools
 
-    def _shardings_of(self, executable: jax.stages.Compiled) -> SamplingBatch:
-        """The shardings `executable` takes its sampling inputs in (a SamplingBatch of them)."""
-        shardings = self._sampling_shardings.get(executable)
+    def _shardings_of(self, executable: jax.stages.Compiled) -> tuple[StepBatch, SamplingBatch]:
+        """The shardings `executable` takes its batch and sampling inputs in (a StepBatch and
+        a SamplingBatch of them)."""
+        shardings = self._input_shardings.get(executable)
         if shardings is None:
-            shardings = self._sampling_shardings[executable] = executable.input_shardings[1]["sampling"]
+            kwargs = executable.input_shardings[1]
+            shardings = self._input_shardings[executable] = (kwargs["batch"], kwargs["sampling"])
         return shardings
 
     def executable(self, batch: StepBatch, sampling: SamplingBatch, *, decode: bool) -> jax.stages.Compiled:
@@ -330,7 +334,7 @@ class ModelRunner:
         (stopped after the compile in flight) and its device arrays. The runner cannot run
         steps after."""
         self.steps.close()
-        self.ignored.delete()
+        self.inputs.delete()
         for leaf in jax.tree.leaves((self.pools, self.draft_pools, self.param_leaves, self.draft_leaves, self.feed)):
             if not leaf.is_deleted():
                 leaf.delete()

@@ -30,7 +30,7 @@ class SamplingBatch:
     steps: jax.Array  # [S] int32: index of the output token being drawn
     # [S, L] int32: prompt then output tokens, then drafts; -1 padded (its last token -1 where
     # the host has not read it: `history_ends`). A step without penalties ignores it (and gets
-    # one constant array: `ignored_inputs.py`).
+    # one constant array: `device_inputs.py`).
     history: jax.Array
     history_lens: jax.Array  # [S] int32: tokens of `history` before the drafts
     prompt_lens: jax.Array  # [S] int32

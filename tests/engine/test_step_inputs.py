@@ -3,7 +3,7 @@
 A step's host work must not grow with context or with `max_model_len`: sequences' tokens and
 pages are converted to arrays only as they grow (`list_mirror.Int32Mirror`), and inputs that
 a step ignores (penalties' histories, grammar masks) are one read-only array the
-runner keeps on the devices (`ignored_inputs.py`)."""
+runner keeps on the devices (`device_inputs.py`)."""
 
 import dataclasses
 import pickle
@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxengine.engine.batch_builder import BatchBuilder
-from jaxengine.engine.ignored_inputs import DeviceCopies, ignored
+from jaxengine.engine.device_inputs import MAX_KEPT_BYTES, DeviceInputs, ignored
 from jaxengine.engine.list_mirror import Int32Mirror
+from jaxengine.engine.padded_arrays import PaddedArrays
 from jaxengine.engine.sampling_params import SamplingParams
 from jaxengine.engine.scheduler import ScheduledStep
 from jaxengine.engine.sequence import Sequence
@@ -93,23 +94,20 @@ class _Inputs:
     lens: object
 
 
-def test_ignored_arrays_become_one_device_copy_per_sharding_and_others_pass_through():
+def test_ignored_arrays_become_one_device_copy_per_sharding():
     history = ignored((2, 5), -1)
     assert ignored((2, 5), -1) is history and ignored((2, 5), 0) is not history
     assert pickle.loads(pickle.dumps(history)) is history  # another process's own (`multihost.Lockstep`)
     view = pickle.loads(pickle.dumps(history[:1]))  # a view of one is a plain array
     assert type(view) is np.ndarray and view.tolist() == [[-1] * 5]
-    copies = DeviceCopies()
+    copies = DeviceInputs()
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     lens = np.array([3, 4], np.int32)
     first = copies.swap(_Inputs(history, lens), lambda: _Inputs(one, one))
-    second = copies.swap(_Inputs(history, lens), lambda: _Inputs(one, one))
+    second = copies.swap(_Inputs(history, lens.copy()), lambda: _Inputs(one, one))
     assert isinstance(first.history, jax.Array) and first.history is second.history
     assert np.asarray(first.history).tolist() == [[-1] * 5] * 2
-    assert first.lens is lens  # not an ignored array: left for the step's own transfer
-    filled = np.full((2, 5), -1, np.int32)
-    assert copies.swap(_Inputs(filled, lens), lambda: _Inputs(one, one)).history is filled
-    assert not isinstance(copies.swap(_Inputs(history[:, :], lens), lambda: _Inputs(one, one)).history, jax.Array)
+    assert first.lens is lens  # sent with its step the first time
     # Another executable may take it in another sharding: a copy of its own.
     named = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("x",)), jax.sharding.PartitionSpec())
     elsewhere = copies.swap(_Inputs(history, lens), lambda: _Inputs(named, named)).history
@@ -120,3 +118,67 @@ def test_ignored_arrays_become_one_device_copy_per_sharding_and_others_pass_thro
     assert first.history.is_deleted()
     again = copies.swap(_Inputs(history, lens), lambda: _Inputs(one, one))
     assert not again.history.is_deleted() and np.asarray(again.history).tolist() == [[-1] * 5] * 2
+
+
+def test_inputs_unchanged_since_the_last_step_are_not_sent_again():
+    copies = DeviceInputs()
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    settings = np.array([0.5, 1.0], np.float32)
+
+    def step(history, lens):
+        swapped = copies.swap(_Inputs(history, lens), lambda: _Inputs(one, one))
+        return swapped.history, swapped.lens
+
+    sent = [step(settings.copy(), np.array([n, n + 1], np.int32)) for n in range(4)]
+    # The settings: sent with the first step, copied at the second, that copy from then on.
+    assert sent[0][0] is not None and not isinstance(sent[0][0], jax.Array)
+    assert isinstance(sent[1][0], jax.Array) and sent[2][0] is sent[1][0] and sent[3][0] is sent[1][0]
+    assert np.asarray(sent[3][0]).tolist() == [0.5, 1.0] and sent[1][0].sharding == one
+    # The lengths change every step: each step gets its own host array.
+    assert all(type(lens) is np.ndarray and lens.tolist() == [n, n + 1] for n, (_, lens) in enumerate(sent))
+    changed, _ = step(np.array([0.5, 2.0], np.float32), np.zeros(2, np.int32))
+    assert type(changed) is np.ndarray and changed.tolist() == [0.5, 2.0]  # new bytes: sent, never the old copy
+    again, _ = step(np.array([0.5, 2.0], np.float32), np.zeros(2, np.int32))
+    assert isinstance(again, jax.Array) and np.asarray(again).tolist() == [0.5, 2.0]
+    # The same bytes in another shape or dtype are another input.
+    reshaped, _ = step(np.array([[0.5, 2.0]], np.float32), np.zeros(2, np.int32))
+    retyped, _ = step(np.array([0.5, 2.0], np.float32).view(np.int32), np.zeros(2, np.int32))
+    assert type(reshaped) is np.ndarray and reshaped.shape == (1, 2)
+    assert type(retyped) is np.ndarray and retyped.dtype == np.int32
+    big = np.zeros(MAX_KEPT_BYTES // 4 + 1, np.int32)  # over the limit: always sent
+    assert all(step(big, np.zeros(2, np.int32))[0] is big for _ in range(3))
+    copies.delete()
+    assert again.is_deleted()
+
+
+def test_padded_arrays_are_fresh_each_time_and_hold_their_padding():
+    padded = PaddedArrays(
+        dict(ids=((3,), np.int32, 0), rows=((2, 2), np.int32, -1), top_p=((2,), np.float32, 1), on=((2,), bool, False))
+    )
+    first = padded.fresh()
+    assert {k: (v.dtype, v.tolist()) for k, v in first.items()} == {
+        "ids": (np.int32, [0, 0, 0]),
+        "rows": (np.int32, [[-1, -1], [-1, -1]]),
+        "top_p": (np.float32, [1.0, 1.0]),
+        "on": (np.bool_, [False, False]),
+    }
+    for array in first.values():
+        array[...] = 7  # a step's arrays filled: the next step's start from their padding
+    second = padded.fresh()
+    assert second["ids"].tolist() == [0, 0, 0] and second["rows"].tolist() == [[-1, -1], [-1, -1]]
+    assert second["top_p"].tolist() == [1.0, 1.0] and first["rows"].tolist() == [[7, 7], [7, 7]]
+
+
+def test_a_built_step_is_the_same_whichever_step_came_before():
+    builder = _builder()
+    plain = _decoding([5, 6, 7, 8, 9], [3, 4], SamplingParams(temperature=0.5, top_p=0.9, logit_bias={3: 1.0}))
+    other = _decoding([1, 2, 3], [9], SamplingParams(min_tokens=4, allowed_token_ids=[1, 2]))
+    alone = builder.build(ScheduledStep([plain], [1]))
+    builder.build(ScheduledStep([other, plain], [1, 1]))
+    again = builder.build(ScheduledStep([plain], [1]))
+    for built, rebuilt in zip(alone, again):
+        for field in dataclasses.fields(built):
+            a, b = np.asarray(getattr(built, field.name)), np.asarray(getattr(rebuilt, field.name))
+            assert a.dtype == b.dtype and a.tolist() == b.tolist(), field.name
+    assert np.asarray(again[1].top_p).tolist() == [np.float32(0.9)]
+    assert np.asarray(again[1].bias_ids)[0, 0] == 3 and np.asarray(again[1].allowed_ids)[0, 0] == -1
