@@ -117,7 +117,9 @@ class DeviceInputs:
             self._kept[key] = _Kept(data)  # changed: it goes with the step
             return None
         if kept.copy is None:
-            kept.copy = _device_copy(value, sharding)
+            # Its own bytes: on CPU the device array may share the host array's memory, and
+            # `value` is a view of the buffer that holds all its step's arrays.
+            kept.copy = _device_copy(value.copy(), sharding)
         return kept.copy
 
     def delete(self) -> None:

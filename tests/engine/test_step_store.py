@@ -186,6 +186,7 @@ def test_a_stored_step_that_fails_after_taking_the_pools_loses_one_step_only(
     step_store.forget_shared_steps()
     gc.collect()
     real_load = step_store.StepStore.load
+    pools_taken = []
 
     def failing_after_the_run(self, key):
         executable = real_load(self, key)
@@ -194,8 +195,10 @@ def test_a_stored_step_that_fails_after_taking_the_pools_loses_one_step_only(
 
         def run(**kwargs):
             executable(**kwargs)  # donates the pools
+            pools_taken.append(all(leaf.is_deleted() for leaf in jax.tree.leaves(kwargs["pools"])))
             raise jax.errors.JaxRuntimeError("NOT_FOUND: Function fusion.3 not found")
 
+        run.input_shardings = executable.input_shardings  # what the runner asks a step for
         return run
 
     monkeypatch.setattr(step_store.StepStore, "load", failing_after_the_run)
@@ -203,6 +206,7 @@ def test_a_stored_step_that_fails_after_taking_the_pools_loses_one_step_only(
     llm = LLM(tiny_models["bamba"][0], **args)
     assert _tokens(llm) == tokens
     assert llm.engine.runner.steps.recompiled_after_failure >= 1
+    assert pools_taken and all(pools_taken)  # each failing step ran and took the pools first
 
 
 # A program with its own JAX code that serves from a shared store, in a fresh process.
