@@ -1,0 +1,95 @@
+"""The host's cost of building a decode step's arrays (`BatchBuilder.build`), by batch size:
+this checkout against an earlier revision of itself.
+
+The step is synthetic and the same in both versions: N sequences of 300 tokens (sampling at
+temperature 0.7, top-p 0.9), each decoding its last token, 19 pages each, with page size 16,
+`max_model_len` 4,096 and prefix caching's checkpoint saves on a recurrent model (the default
+model's settings). Each version runs in processes of its own (the revision from a `git
+worktree` of it), the two taking turns `--pairs` times; a process times `--builds` builds per
+batch size after a warm-up and reports the median of five such rounds. Reported: each
+version's median milliseconds per build, and the median of the per-pair ratios (this checkout
+over the revision).
+
+    python scripts/bench_batch_builder.py --revision c788f1f [--batch-sizes 16 64 256] [--pairs 4]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from revision_worktree import REPO, revision_worktree
+
+# Runs under either version: only the builder, the sequence and the sampling parameters.
+WORKER = """
+import json, statistics, sys, time
+from jaxengine.engine.batch_builder import BatchBuilder
+from jaxengine.engine.sampling_params import SamplingParams
+from jaxengine.engine.scheduler import ScheduledStep
+from jaxengine.engine.sequence import Sequence
+
+builds, *batches = map(int, sys.argv[1:])
+result = {}
+for n in batches:
+    builder = BatchBuilder(
+        max_num_batched_tokens=max(512, n), max_num_seqs=n, max_model_len=4096, page_size=16,
+        eos_token_ids=(0,), vocab_size=32000, blocks_per_checkpoint=4, saves_checkpoints=True, recurrent=True,
+    )
+    seqs = []
+    for i in range(n):
+        seq = Sequence(f"r{i}", i, list(range(300)), 100, SamplingParams(temperature=0.7, top_p=0.9), seed=i)
+        seq.num_computed, seq.pages = 299, list(range(i * 20, i * 20 + 19))
+        seqs.append(seq)
+    step = ScheduledStep(seqs, [1] * n)
+    shape = builder.shape_of(step)
+    for _ in range(builds):
+        builder.build(step, shape)  # warm-up
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(builds):
+            builder.build(step, shape)
+        rounds.append((time.perf_counter() - start) / builds * 1e3)
+    result[n] = statistics.median(rounds)
+print("RESULT " + json.dumps(result))
+"""
+
+
+def run_worker(source: Path, args: argparse.Namespace) -> dict[int, float]:
+    """One process of the version at `source`: milliseconds per build, per batch size."""
+    cmd = [sys.executable, "-c", WORKER, str(args.builds), *map(str, args.batch_sizes)]
+    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(source)}, cwd=source, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise SystemExit(f"the worker at {source} failed:\n{out.stderr[-4000:]}")
+    return {int(k): v for k, v in json.loads(lines[-1].removeprefix("RESULT ")).items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--revision", required=True, help="a git revision of this repository")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--builds", type=int, default=200, help="builds per timed round")
+    args = parser.parse_args()
+    times: dict[str, list[dict[int, float]]] = {"this checkout": [], args.revision: []}
+    with revision_worktree(args.revision) as base:
+        sources = {"this checkout": REPO, args.revision: base}
+        for pair in range(args.pairs):
+            for name in list(sources) if pair % 2 == 0 else list(sources)[::-1]:
+                times[name].append(run_worker(sources[name], args))
+            print(f"pair {pair}: " + ", ".join(f"{n} {times[n][-1]}" for n in sources), flush=True)
+    for n in args.batch_sizes:
+        ours, theirs = ([t[n] for t in times[name]] for name in times)
+        ratio = statistics.median(a / b for a, b in zip(ours, theirs))
+        print(
+            f"batch {n}: this checkout {statistics.median(ours):.3f} ms a build, {args.revision} "
+            f"{statistics.median(theirs):.3f} ms, ratio {ratio:.2f} (median of {args.pairs} pairs)"
+        )
+
+
+if __name__ == "__main__":
+    main()
