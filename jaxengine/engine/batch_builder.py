@@ -341,8 +341,6 @@ class BatchBuilder:
                 sample_rows[i] = offset + np.maximum(np.arange(n - width, n), 0)
             offset += n
             kv_lens[i] = start + n
-            pages = seq.page_array()
-            page_table[i, : len(pages)] = pages
             if seq.owned_slots:
                 read[i], write[i] = seq.read_slot, seq.write_slot
             num_drafts[i] = len(drafts)
@@ -385,6 +383,8 @@ class BatchBuilder:
                 fill_row(seq.matcher, grammar_mask, i)
                 constrained[i] = True
 
+        if step.seqs:
+            np.stack([seq.page_row(self.pages_per_seq) for seq in step.seqs], out=page_table[: len(step.seqs)])
         restore = a["restore"]
         for i, blocks in step.restores:
             restore[i] = blocks

@@ -79,19 +79,21 @@ class Sequence:
     num_unfilled: int = 0
     feed_row: int = -1
     deferred_saves: list = dataclasses.field(default_factory=list)
-    # `tokens` and `pages` as int32 arrays, extended as they grow: `token_array`, `page_array`.
+    # `tokens` and `pages` as int32 arrays, extended as they grow: `token_array`, `page_row`.
     _token_mirror: Int32Mirror = dataclasses.field(default_factory=Int32Mirror, init=False, repr=False, compare=False)
-    _page_mirror: Int32Mirror = dataclasses.field(default_factory=Int32Mirror, init=False, repr=False, compare=False)
+    _page_mirror: Int32Mirror | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def token_array(self) -> np.ndarray:
         """`tokens` as an int32 array [len(tokens)] (a view, valid until the next call): only
         the tokens appended since the last call are converted (tokens are only ever appended)."""
         return self._token_mirror.of(self.tokens)
 
-    def page_array(self) -> np.ndarray:
-        """`pages` as an int32 array [len(pages)] (a view, valid until the next call): only the
-        pages added since the last call are converted (the scheduler extends the list, or
-        replaces it whole)."""
+    def page_row(self, width: int) -> np.ndarray:
+        """`pages` as its page table's row, an int32 array [width] zero-padded (a view, valid
+        until the next call; `width` the same every call): only the pages added since the last
+        call are converted (the scheduler extends the list, or replaces it whole)."""
+        if self._page_mirror is None:
+            self._page_mirror = Int32Mirror(width)
         return self._page_mirror.of(self.pages)
 
     @property

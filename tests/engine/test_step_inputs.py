@@ -10,6 +10,7 @@ import pickle
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,7 +37,7 @@ _ops = st.lists(
 @settings(max_examples=examples(200), deadline=None)
 @given(_ops)
 def test_a_mirror_equals_its_list_through_appends_replacements_and_cuts(ops):
-    mirror, items = Int32Mirror(), []
+    mirror, padded, items = Int32Mirror(), Int32Mirror(width=256), []
     for op, arg in ops:
         if op == "append":
             items.extend(arg)
@@ -46,6 +47,13 @@ def test_a_mirror_equals_its_list_through_appends_replacements_and_cuts(ops):
             del items[arg:]
         got = mirror.of(items)
         assert got.dtype == np.int32 and got.tolist() == items
+        row = padded.of(items)  # a page table's row: the items, then zeros
+        assert row.dtype == np.int32 and row.tolist() == items + [0] * (256 - len(items))
+
+
+def test_a_mirror_of_a_fixed_width_refuses_a_longer_list():
+    with pytest.raises(ValueError, match="width 3"):
+        Int32Mirror(width=3).of([1, 2, 3, 4])
 
 
 def _builder(**overrides) -> BatchBuilder:
