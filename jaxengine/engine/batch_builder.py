@@ -293,7 +293,7 @@ class BatchBuilder:
         ids, next_ids, following_ids, feed_rows = a["ids"], a["next_ids"], a["following_ids"], a["feed_rows"]
         history_feed, cu, kv_lens, page_table = a["history_feed"], a["cu"], a["kv_lens"], a["page_table"]
         read, write = a["read"], a["write"]
-        cu[len(step.seqs) :] = step.total_tokens
+        cu[len(step.seqs) :] = step.total_tokens  # padding sequences start (and end) past the step's tokens
         temperature, top_k, top_p, min_p = a["temperature"], a["top_k"], a["top_p"], a["min_p"]
         presence, frequency, repetition = a["presence"], a["frequency"], a["repetition"]
         seeds, steps, history_lens, prompt_lens = a["seeds"], a["steps"], a["history_lens"], a["prompt_lens"]
