@@ -21,15 +21,12 @@ whose `max_position_embeddings` is N (its rotary embedding takes any position).
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from revision_worktree import REPO, revision_worktree
+from revision_worktree import REPO, revision_worktree, run_worker
 
 DEFAULT_MODEL = REPO / "jaxengine" / "assets" / "default_model"  # `jaxengine.run_config.DEFAULT_MODEL`
 
@@ -74,19 +71,12 @@ print("RESULT " + json.dumps(result))
 """
 
 
-def run_worker(source: Path, cache: Path, model: Path, args: argparse.Namespace) -> dict[int, dict]:
+def run_version(source: Path, cache: Path, model: Path, args: argparse.Namespace) -> dict[int, dict]:
     """One process of the version at `source`: per batch size, its median tokens/s and host
     milliseconds before dispatch."""
-    env = {**os.environ, "PYTHONPATH": str(source)}
-    cmd = [sys.executable, "-c", WORKER, str(cache), str(args.max_tokens), str(args.runs)]
-    cmd += [str(args.prompt_tokens), str(args.repetition_penalty), str(model)]
-    cmd += [str(args.max_model_len), str(args.max_num_seqs)]
-    cmd += [str(b) for b in args.batch_sizes]
-    out = subprocess.run(cmd, env=env, cwd=source, capture_output=True, text=True, check=False)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode or not lines:
-        raise SystemExit(f"the worker at {source} failed:\n{out.stderr[-4000:]}")
-    return {int(k): v for k, v in json.loads(lines[-1].removeprefix("RESULT ")).items()}
+    worker_args = [str(cache), str(args.max_tokens), str(args.runs), str(args.prompt_tokens)]
+    worker_args += [str(args.repetition_penalty), str(model), str(args.max_model_len), str(args.max_num_seqs)]
+    return run_worker(source, WORKER, worker_args + [str(b) for b in args.batch_sizes])
 
 
 def model_for(max_model_len: int, tmp: Path) -> Path:
@@ -132,7 +122,7 @@ def main() -> None:
         for pair in range(args.pairs):
             order = list(sources) if pair % 2 == 0 else list(sources)[::-1]
             for name in order:
-                rates[name].append(run_worker(sources[name], caches[name], model, args))
+                rates[name].append(run_version(sources[name], caches[name], model, args))
             print(f"pair {pair}: " + ", ".join(f"{n} {rates[n][-1]}" for n in sources), flush=True)
     results = {}
     for batch in args.batch_sizes:

@@ -14,14 +14,9 @@ over the revision).
 """
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
-from revision_worktree import REPO, revision_worktree
+from revision_worktree import REPO, revision_worktree, run_worker
 
 # Runs under either version: only the builder, the sequence and the sampling parameters.
 WORKER = """
@@ -58,16 +53,6 @@ print("RESULT " + json.dumps(result))
 """
 
 
-def run_worker(source: Path, args: argparse.Namespace) -> dict[int, float]:
-    """One process of the version at `source`: milliseconds per build, per batch size."""
-    cmd = [sys.executable, "-c", WORKER, str(args.builds), *map(str, args.batch_sizes)]
-    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(source)}, cwd=source, capture_output=True, text=True)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode or not lines:
-        raise SystemExit(f"the worker at {source} failed:\n{out.stderr[-4000:]}")
-    return {int(k): v for k, v in json.loads(lines[-1].removeprefix("RESULT ")).items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--revision", required=True, help="a git revision of this repository")
@@ -80,7 +65,7 @@ def main() -> None:
         sources = {"this checkout": REPO, args.revision: base}
         for pair in range(args.pairs):
             for name in list(sources) if pair % 2 == 0 else list(sources)[::-1]:
-                times[name].append(run_worker(sources[name], args))
+                times[name].append(run_worker(sources[name], WORKER, [str(args.builds), *map(str, args.batch_sizes)]))
             print(f"pair {pair}: " + ", ".join(f"{n} {times[n][-1]}" for n in sources), flush=True)
     for n in args.batch_sizes:
         ours, theirs = ([t[n] for t in times[name]] for name in times)

@@ -1,7 +1,10 @@
 """A checkout of an earlier revision of this repository, for benchmarks that run it beside this one."""
 
 import contextlib
+import json
+import os
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,3 +23,16 @@ def revision_worktree(revision: str) -> Iterator[Path]:
             yield path
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], check=False)
+
+
+def run_worker(source: Path, code: str, args: list[str]) -> dict[int, object]:
+    """Runs `python -c code *args` as the version at `source` (its directory first on the
+    `PYTHONPATH`, and the working directory) and returns what the worker printed on its last
+    line starting "RESULT ": a JSON object keyed by batch size. Exits, with the worker's
+    error output, if it failed or printed none."""
+    env = {**os.environ, "PYTHONPATH": str(source)}
+    out = subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=source, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise SystemExit(f"the worker at {source} failed:\n{out.stderr[-4000:]}")
+    return {int(k): v for k, v in json.loads(lines[-1].removeprefix("RESULT ")).items()}
