@@ -1,10 +1,12 @@
 """The host's cost of building a decode step's arrays (`BatchBuilder.build`), by batch size:
 this checkout against an earlier revision of itself.
 
-The step is synthetic and the same in both versions: N sequences of 300 tokens (sampling at
-temperature 0.7, top-p 0.9), each decoding its last token, 19 pages each, with page size 16,
-`max_model_len` 4,096 and prefix caching's checkpoint saves on a recurrent model (the default
-model's settings). Each version runs in processes of its own (the revision from a `git
+The step is synthetic and the same in both versions, with the embedded default model's
+settings at the engine's defaults (`max_model_len` 2,048, page size 16, a checkpoint of 18
+cache blocks, vocabulary 4,096, checkpoint saves on): N sequences of 300 tokens (sampling at
+temperature 0.7, top-p 0.9), each decoding its last token, 19 pages each. Batch 16 is the
+default `max_num_seqs`; larger batches are built as with `max_num_seqs` raised to N (tuned
+past the defaults). Each version runs in processes of its own (the revision from a `git
 worktree` of it), the two taking turns `--pairs` times; a process times `--builds` builds per
 batch size after a warm-up and reports the median of five such rounds. Reported: each
 version's median milliseconds per build, and the median of the per-pair ratios (this checkout
@@ -30,8 +32,8 @@ builds, *batches = map(int, sys.argv[1:])
 result = {}
 for n in batches:
     builder = BatchBuilder(
-        max_num_batched_tokens=max(512, n), max_num_seqs=n, max_model_len=4096, page_size=16,
-        eos_token_ids=(0,), vocab_size=32000, blocks_per_checkpoint=4, saves_checkpoints=True, recurrent=True,
+        max_num_batched_tokens=max(512, n), max_num_seqs=max(16, n), max_model_len=2048, page_size=16,
+        eos_token_ids=(0,), vocab_size=4096, blocks_per_checkpoint=18, saves_checkpoints=True, recurrent=True,
     )
     seqs = []
     for i in range(n):
