@@ -8,7 +8,8 @@ first (no background compile; one persistent compilation cache per version, so o
 first process of each compiles), warms up, then times `--runs` generates. Reported: the
 median tokens/s of each version and the median of the per-pair ratios (this checkout over
 the revision), and where the version keeps a step timeline (`llm.stats()`), the host's
-milliseconds per step before dispatch (median). `--prompt-tokens N` gives each sequence a
+milliseconds per step before dispatch and in all (before, dispatching, and after the step's
+tokens are read: what the device must cover for the host never to hold it up; medians). `--prompt-tokens N` gives each sequence a
 prompt of N token ids instead of a short text; `--repetition-penalty` applies one.
 `--max-model-len N` and `--max-num-seqs N` set those engine arguments (defaults: the
 engine's); a `--max-model-len` beyond the default model's 2,048 positions runs a copy of it
@@ -32,7 +33,8 @@ DEFAULT_MODEL = REPO / "jaxengine" / "assets" / "default_model"  # `jaxengine.ru
 
 # Runs under either version: only the offline API both have (`LLM`, `SamplingParams`,
 # `generate`; the step timeline where there is one); prints one JSON line per batch size:
-# tokens/s and the host's milliseconds before dispatch per step (None without a timeline).
+# tokens/s and the host's milliseconds per step, before dispatch and in all (None without a
+# timeline).
 WORKER = """
 import json, statistics, sys, time
 from jaxengine import LLM, SamplingParams
@@ -56,7 +58,7 @@ def prompts(batch, run):
 result = {}
 for batch in map(int, batches):
     llm.generate(prompts(batch, 0), params, use_tqdm=False)  # warm-up
-    rates, host = [], []
+    rates, host, host_all = [], [], []
     for run in range(1, int(runs) + 1):
         if timeline is not None:
             timeline.reset()
@@ -64,16 +66,21 @@ for batch in map(int, batches):
         outs = llm.generate(prompts(batch, run), params, use_tqdm=False)
         rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
         if timeline is not None:
-            host.append(llm.stats()["step_host_before_ms"])
-    host_ms = statistics.median(host) if host else None
-    result[batch] = {"tokens_per_s": statistics.median(rates), "host_before_ms": host_ms}
+            stats = llm.stats()
+            host.append(stats["step_host_before_ms"])
+            host_all.append(sum(stats[k] for k in ("step_host_before_ms", "step_dispatch_ms", "step_host_after_ms")))
+    result[batch] = {
+        "tokens_per_s": statistics.median(rates),
+        "host_before_ms": statistics.median(host) if host else None,
+        "host_ms": statistics.median(host_all) if host_all else None,
+    }
 print("RESULT " + json.dumps(result))
 """
 
 
 def run_version(source: Path, cache: Path, model: Path, args: argparse.Namespace) -> dict[int, dict]:
     """One process of the version at `source`: per batch size, its median tokens/s and host
-    milliseconds before dispatch."""
+    milliseconds per step (before dispatch, and in all)."""
     worker_args = [str(cache), str(args.max_tokens), str(args.runs), str(args.prompt_tokens)]
     worker_args += [str(args.repetition_penalty), str(model), str(args.max_model_len), str(args.max_num_seqs)]
     return run_worker(source, WORKER, worker_args + [str(b) for b in args.batch_sizes])
@@ -134,12 +141,15 @@ def main() -> None:
             "ratio": statistics.median(a / b for a, b in zip(ours, theirs)),
             "this_checkout_host_before_ms": _median_or_none(r[batch]["host_before_ms"] for r in rates["this checkout"]),
             "revision_host_before_ms": _median_or_none(r[batch]["host_before_ms"] for r in rates[args.revision]),
+            "this_checkout_host_ms": _median_or_none(r[batch].get("host_ms") for r in rates["this checkout"]),
+            "revision_host_ms": _median_or_none(r[batch].get("host_ms") for r in rates[args.revision]),
         }
         print(
             f"batch {batch}: this checkout {results[batch]['this_checkout_tokens_per_s']:.1f} tok/s, "
             f"{args.revision} {results[batch]['revision_tokens_per_s']:.1f} tok/s, "
             f"ratio {results[batch]['ratio']:.3f} (median of {args.pairs} pairs); host ms before dispatch "
-            f"{_ms(results[batch]['this_checkout_host_before_ms'])} / {_ms(results[batch]['revision_host_before_ms'])}"
+            f"{_ms(results[batch]['this_checkout_host_before_ms'])} / {_ms(results[batch]['revision_host_before_ms'])}, "
+            f"in all {_ms(results[batch]['this_checkout_host_ms'])} / {_ms(results[batch]['revision_host_ms'])}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"revision": args.revision, **vars(args), "results": results}, indent=2))

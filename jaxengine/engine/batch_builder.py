@@ -23,14 +23,9 @@ from jaxengine.cache import checkpoint_policy
 from jaxengine.engine.device_inputs import ignored
 from jaxengine.engine.padded_arrays import PaddedArrays
 from jaxengine.engine.sampler import SamplingBatch
-from jaxengine.engine.sampling_params import (
-    MAX_ALLOWED_TOKEN_IDS,
-    MAX_BAD_WORDS,
-    MAX_LOGIT_BIAS,
-    MAX_STOP_TOKEN_IDS,
-    SamplingParams,
-)
+from jaxengine.engine.sampling_params import MAX_BAD_WORDS, MAX_STOP_TOKEN_IDS
 from jaxengine.engine.scheduler import ScheduledStep
+from jaxengine.engine.sequence_settings import SettingsRows
 from jaxengine.engine.structured_output import fill_row
 from jaxengine.models.batch import StepBatch
 
@@ -156,6 +151,7 @@ class BatchBuilder:
         self.recurrent = recurrent
         self.drafter = drafter  # an MTP module or a draft model drafts inside the step
         self._padded_arrays: dict[Shape, PaddedArrays] = {}
+        self._settings = SettingsRows(vocab_size)  # sampling parameters, seeds, prompt lengths
 
     def _verifying(self, s: int, verify: bool) -> dict:
         """A shape's room for drafts: a verify shape samples each sequence's last k + 1 rows
@@ -223,13 +219,14 @@ class BatchBuilder:
     def _padded(self, shape: Shape) -> PaddedArrays:
         """The maker of `shape`'s arrays, each holding its padding (made at the shape's first
         step): name -> (shape, dtype, padding). The histories and grammar masks are not among
-        them (a step that reads none gets an ignored array)."""
+        them (a step that reads none gets an ignored array), nor the sequences' settings
+        (`SettingsRows`)."""
         padded = self._padded_arrays.get(shape)
         if padded is not None:
             return padded
         t, s, p, c = shape.num_tokens, shape.num_seqs, shape.num_position_states, shape.num_saves
         drafting = t if shape.runs_drafter else 0
-        i32, f32 = np.int32, np.float32
+        i32 = np.int32
         nb = self.blocks_per_checkpoint
         specs = dict(
             ids=((t,), i32, 0),
@@ -242,25 +239,11 @@ class BatchBuilder:
             page_table=((s, self.pages_per_seq), i32, 0),
             read=((s,), i32, 0),
             write=((s,), i32, 0),
-            temperature=((s,), f32, 0),
-            top_k=((s,), i32, 0),
-            top_p=((s,), f32, 1),
-            min_p=((s,), f32, 0),
-            presence=((s,), f32, 0),
-            frequency=((s,), f32, 0),
-            repetition=((s,), f32, 1),
-            seeds=((s,), np.uint32, 0),
             steps=((s,), i32, 0),
             history_lens=((s,), i32, 0),
-            prompt_lens=((s,), i32, 0),
             banned=((s, MAX_STOP_TOKEN_IDS), i32, -1),
-            min_tokens=((s,), i32, 0),
-            wants_logprobs=((s,), bool, False),
             wants_drafts=((s if shape.runs_drafter else 0,), bool, False),
             speculates=((s if shape.runs_drafter else 0,), bool, False),
-            bias_ids=((s, MAX_LOGIT_BIAS), i32, -1),
-            bias_values=((s, MAX_LOGIT_BIAS), f32, 0),
-            allowed_ids=((s, MAX_ALLOWED_TOKEN_IDS), i32, -1),
             bad_ids=((s, MAX_BAD_WORDS), i32, -1),
             constrained=((s,), bool, False),
             sample_rows=((s, shape.sample_width), i32, 0),
@@ -294,21 +277,17 @@ class BatchBuilder:
         history_feed, cu, kv_lens, page_table = a["history_feed"], a["cu"], a["kv_lens"], a["page_table"]
         read, write = a["read"], a["write"]
         cu[len(step.seqs) :] = step.total_tokens  # padding sequences start (and end) past the step's tokens
-        temperature, top_k, top_p, min_p = a["temperature"], a["top_k"], a["top_p"], a["min_p"]
-        presence, frequency, repetition = a["presence"], a["frequency"], a["repetition"]
-        seeds, steps, history_lens, prompt_lens = a["seeds"], a["steps"], a["history_lens"], a["prompt_lens"]
+        steps, history_lens = a["steps"], a["history_lens"]
+        settings, penalised = self._settings.of(step.seqs, s_size)
         # Only penalties read the histories, and only grammars the masks: without one in the
         # step the device gets the same ignored array, so a step's host work grows neither
         # with its sequences' lengths nor with max_model_len.
-        penalised = any(_penalised(seq.params) for seq in step.seqs)
         constrained_step = any(seq.matcher is not None for seq in step.seqs)
         if penalised:
             history = np.full((s_size, self.max_model_len), -1, np.int32)
         else:
             history = ignored((s_size, self.max_model_len), -1)
-        banned, min_tokens, wants_logprobs = a["banned"], a["min_tokens"], a["wants_logprobs"]
-        wants_drafts, speculates = a["wants_drafts"], a["speculates"]
-        bias_ids, bias_values, allowed_ids, bad_ids = a["bias_ids"], a["bias_values"], a["allowed_ids"], a["bad_ids"]
+        banned, wants_drafts, speculates, bad_ids = a["banned"], a["wants_drafts"], a["speculates"], a["bad_ids"]
         mask_shape = (s_size, -(-self.vocab_size // 32))
         grammar_mask = np.zeros(mask_shape, np.int32) if constrained_step else ignored(mask_shape, 0)
         constrained, sample_rows, num_drafts = a["constrained"], a["sample_rows"], a["num_drafts"]
@@ -349,33 +328,17 @@ class BatchBuilder:
                 state_seq[p], state_pos[p], state_slots[p] = i, start + 1 + j, slot
 
             p = seq.params
-            temperature[i] = p.temperature
-            top_k[i] = min(max(p.top_k, 0), self.vocab_size)  # 0: no limit; above the vocabulary: none either
-            top_p[i] = p.top_p
-            min_p[i] = p.min_p
-            presence[i] = p.presence_penalty
-            frequency[i] = p.frequency_penalty
-            repetition[i] = p.repetition_penalty
-            seeds[i] = seq.seed
             steps[i] = seq.num_sampled
             if penalised:
                 history[i, : len(seq.tokens)] = seq.token_array()
                 history[i, len(seq.tokens) : len(seq.tokens) + len(drafts)] = drafts
             history_lens[i] = seq.num_tokens
-            prompt_lens[i] = seq.num_prompt_tokens
-            min_tokens[i] = p.min_tokens
-            wants_logprobs[i] = p.logprobs is not None
             if drafter:
                 wants_drafts[i] = drafting and seq.speculates and not seq.bad_word_ids
                 speculates[i] = seq.speculates
-            if seq.num_sampled < p.min_tokens:
+            if p.min_tokens and seq.num_sampled < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 banned[i, : len(stops)] = stops[:MAX_STOP_TOKEN_IDS]
-            if p.logit_bias:
-                bias_ids[i, : len(p.logit_bias)] = list(p.logit_bias)
-                bias_values[i, : len(p.logit_bias)] = np.clip(list(p.logit_bias.values()), -100, 100)
-            if p.allowed_token_ids:
-                allowed_ids[i, : len(p.allowed_token_ids)] = p.allowed_token_ids
             if seq.bad_word_ids:
                 bans = bad_word_bans(seq.output_token_ids, seq.bad_word_ids)
                 bad_ids[i, : len(bans)] = bans
@@ -409,24 +372,11 @@ class BatchBuilder:
             state_slots,
         )
         sampling = SamplingBatch(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            presence_penalty=presence,
-            frequency_penalty=frequency,
-            repetition_penalty=repetition,
-            seeds=seeds,
+            **settings,
             steps=steps,
             history=history,
             history_lens=history_lens,
-            prompt_lens=prompt_lens,
             banned=banned,
-            min_tokens=min_tokens,
-            wants_logprobs=wants_logprobs,
-            bias_ids=bias_ids,
-            bias_values=bias_values,
-            allowed_ids=allowed_ids,
             bad_ids=bad_ids,
             grammar_mask=grammar_mask,
             constrained=constrained,
@@ -441,10 +391,3 @@ class BatchBuilder:
             history_ends=ignored((s_size,), -1),  # the device's (`sampler.fed`)
         )
         return batch, sampling
-
-
-def _penalised(params: SamplingParams) -> bool:
-    """Whether a sequence's sampling counts its history: the host's side of the condition
-    under which `sampler._choose` applies penalties (the two must agree, or a history the
-    device reads is left empty)."""
-    return params.repetition_penalty != 1 or params.frequency_penalty != 0 or params.presence_penalty != 0

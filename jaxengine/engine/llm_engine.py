@@ -317,7 +317,7 @@ class LLMEngine:
         # tokens are dropped, and it may have been read long after (when work came again).
         dropped = all(seq.status is Status.FINISHED for seq in scheduled.seqs)
         wait_start = time.perf_counter()
-        tokens = np.asarray(out.tokens)  # [S, W]: a sequence's sample rows are its last W tokens
+        tokens = np.asarray(out.tokens).tolist()  # [S][W]: a sequence's sample rows are its last W tokens
         ready = step.ready_at or time.perf_counter()
         if any(s.params.prompt_logprobs is not None for s in scheduled.seqs):
             self.outputs.record_prompt_logprobs(scheduled, out.prompt, step.starts)
@@ -325,7 +325,7 @@ class LLMEngine:
         if any(s.params.logprobs is not None for s in scheduled.seqs):
             logprobs = [np.asarray(a) for a in (out.logprob, out.rank, out.top_ids, out.top_logprobs)]
         now = time.perf_counter()
-        width = tokens.shape[1]
+        width = len(tokens[0])
         updated, finished = [], []
         kept = [0] * len(scheduled.seqs)  # drafts now computed, per sequence
         accepted: dict[int, int] = {}  # drafts the target agreed with, per sequence given tokens
@@ -334,7 +334,7 @@ class LLMEngine:
                 continue  # no token this step, or one drawn after its end (an overlapped step)
             drafts = scheduled.drafts_of(i)
             first_row = width - 1 - len(drafts)  # the row after its pending token
-            emitted = accept(drafts, tokens[i, first_row:].tolist())
+            emitted = accept(drafts, tokens[i][first_row:])
             accepted[i] = len(emitted) - 1
             if step.early:
                 seq.num_unfilled -= 1

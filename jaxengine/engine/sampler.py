@@ -268,7 +268,7 @@ def _choose(logits: jax.Array, sb: SamplingBatch, rows: RowSettings) -> jax.Arra
     restricted = jnp.any(sb.bias_ids >= 0) | jnp.any(sb.allowed_ids >= 0) | jnp.any(sb.bad_ids >= 0)
     logits = jax.lax.cond(restricted, _restrict, lambda logits, sb: logits, logits, sb)
     # Penalties scatter every row's history over the vocabulary: only when some row has one
-    # (the builder fills the histories under the same condition: `batch_builder._penalised`).
+    # (the builder fills the histories under the same condition: `sequence_settings.is_penalised`).
     penalised = (
         jnp.any(sb.repetition_penalty != 1) | jnp.any(sb.frequency_penalty != 0) | jnp.any(sb.presence_penalty != 0)
     )

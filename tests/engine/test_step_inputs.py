@@ -190,3 +190,26 @@ def test_a_built_step_is_the_same_whichever_step_came_before():
             assert a.dtype == b.dtype and a.tolist() == b.tolist(), field.name
     assert np.asarray(again[1].top_p).tolist() == [np.float32(0.9)]
     assert np.asarray(again[1].bias_ids)[0, 0] == 3 and np.asarray(again[1].allowed_ids)[0, 0] == -1
+
+
+def test_settings_are_kept_while_the_sequences_stay_and_rebuilt_when_they_change():
+    builder = _builder()
+    hot = _decoding([5, 6, 7], [3], SamplingParams(temperature=0.5, top_k=500, logit_bias={4: 200.0}))
+    cold = _decoding([1, 2], [8], SamplingParams(temperature=0.0, min_p=0.2, logprobs=2))
+    cold.num_prompt_tokens = 1
+    late = _decoding([9, 9, 9, 9], [5], SamplingParams(temperature=1.5, allowed_token_ids=[7, 8]))
+    _, first = builder.build(ScheduledStep([hot, cold], [1, 1]))
+    hot.tokens.append(11)
+    hot.num_computed += 1
+    _, steady = builder.build(ScheduledStep([hot, cold], [1, 1]))  # a decode step of the same sequences
+    assert steady.temperature is first.temperature and steady.bias_ids is first.bias_ids
+    assert not steady.temperature.flags.writeable  # shared by steps: never written again
+    _, swapped = builder.build(ScheduledStep([cold, hot], [1, 1]))
+    _, replaced = builder.build(ScheduledStep([cold, late], [1, 1]))
+    assert swapped.temperature.tolist() == [0.0, 0.5, 0.0, 0.0]  # bucket 4: padding rows after
+    assert replaced.temperature.tolist() == [0.0, 1.5, 0.0, 0.0]
+    assert swapped.top_k.tolist() == [0, 100, 0, 0]  # above the vocabulary (100): no limit either
+    assert swapped.bias_ids[1, :2].tolist() == [4, -1] and swapped.bias_values[1, 0] == 100  # clipped
+    assert replaced.bias_ids[1, 0] == -1 and replaced.allowed_ids[1, :3].tolist() == [7, 8, -1]
+    assert swapped.wants_logprobs.tolist() == [True, False, False, False]
+    assert np.allclose(swapped.min_p, [0.2, 0, 0, 0]) and swapped.prompt_lens.tolist() == [1, 3, 0, 0]
