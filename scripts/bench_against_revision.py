@@ -9,15 +9,18 @@ first process of each compiles), warms up, then times `--runs` generates. Report
 median tokens/s of each version and the median of the per-pair ratios (this checkout over
 the revision), and where the version keeps a step timeline (`llm.stats()`), the host's
 milliseconds per step before dispatch and in all (before, dispatching, and after the step's
-tokens are read: what the device must cover for the host never to hold it up; medians). `--prompt-tokens N` gives each sequence a
-prompt of N token ids instead of a short text; `--repetition-penalty` applies one.
-`--max-model-len N` and `--max-num-seqs N` set those engine arguments (defaults: the
-engine's); a `--max-model-len` beyond the default model's 2,048 positions runs a copy of it
-whose `max_position_embeddings` is N (its rotary embedding takes any position).
+tokens are read: what the device must cover for the host never to hold it up; medians).
+`--prompt-tokens N` gives each sequence a prompt of N token ids instead of a short text;
+`--repetition-penalty` applies one. `--max-model-len N` and `--max-num-seqs N` set those
+engine arguments (defaults: the engine's); a `--max-model-len` beyond the default model's
+2,048 positions runs a copy of it whose `max_position_embeddings` is N (its rotary embedding
+takes any position). `--synchronous` turns async scheduling off in both versions (a revision
+without it fails): the host then works while the device waits, so its milliseconds are its
+own, not slowed by a step running beside it on the same cores.
 
     python scripts/bench_against_revision.py --revision f927afe [--batch-sizes 16] \
         [--max-tokens 256] [--pairs 8] [--runs 3] [--prompt-tokens N] \
-        [--repetition-penalty 1.1] [--max-model-len N] [--max-num-seqs N] [--json OUT]
+        [--repetition-penalty 1.1] [--max-model-len N] [--max-num-seqs N] [--synchronous] [--json OUT]
 """
 
 import argparse
@@ -38,8 +41,10 @@ DEFAULT_MODEL = REPO / "jaxengine" / "assets" / "default_model"  # `jaxengine.ru
 WORKER = """
 import json, statistics, sys, time
 from jaxengine import LLM, SamplingParams
-cache, max_tokens, runs, prompt_tokens, penalty, model, max_model_len, max_num_seqs, *batches = sys.argv[1:]
+cache, max_tokens, runs, prompt_tokens, penalty, model, max_model_len, max_num_seqs, sync, *batches = sys.argv[1:]
 engine_args = {k: int(v) for k, v in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs)) if int(v)}
+if int(sync):
+    engine_args["async_scheduling"] = False
 llm = LLM(model, background_compile=False, compilation_cache_dir=cache, **engine_args)
 params = SamplingParams(
     max_tokens=int(max_tokens), temperature=0, ignore_eos=True, repetition_penalty=float(penalty)
@@ -83,6 +88,7 @@ def run_version(source: Path, cache: Path, model: Path, args: argparse.Namespace
     milliseconds per step (before dispatch, and in all)."""
     worker_args = [str(cache), str(args.max_tokens), str(args.runs), str(args.prompt_tokens)]
     worker_args += [str(args.repetition_penalty), str(model), str(args.max_model_len), str(args.max_num_seqs)]
+    worker_args.append(str(int(args.synchronous)))
     return run_worker(source, WORKER, worker_args + [str(b) for b in args.batch_sizes])
 
 
@@ -118,6 +124,7 @@ def main() -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--max-model-len", type=int, default=0, help="engine argument (0: the engine's default)")
     parser.add_argument("--max-num-seqs", type=int, default=0, help="engine argument (0: the engine's default)")
+    parser.add_argument("--synchronous", action="store_true", help="async scheduling off in both versions")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     with revision_worktree(args.revision) as base, tempfile.TemporaryDirectory() as tmp_dir:

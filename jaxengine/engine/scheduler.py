@@ -297,6 +297,8 @@ class Scheduler:
             return []
         wanted = []
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
+            if (seq.num_computed + n) // self.page_size == seq.num_computed // self.page_size:
+                continue  # its tokens end no page: no checkpoint can lie in them (most decode steps)
             hashes = None
             for pos, kind in checkpoint_policy.plan(
                 seq.num_computed,
