@@ -7,7 +7,8 @@ the sequences they were built for, and hands them out again while those are a st
 sequences (as vLLM's persistent batch keeps its rows between steps), instead of storing
 fourteen values per sequence every step. The arrays are read-only once built (a step with
 other sequences gets new ones), so several steps can hold them at once, and the runner's
-`DeviceInputs` finds them unchanged and sends none of them.
+`DeviceInputs` finds them unchanged and sends none of them. A bucket's last sequences are
+held until a step of that bucket runs others (or the builder goes with its engine).
 """
 
 import numpy as np
