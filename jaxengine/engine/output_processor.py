@@ -75,7 +75,7 @@ class OutputProcessor:
             if not p.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"
                 return
-            if p.stop and self.tokenizer is not None:
+            if p.stop and self.tokenizer is not None and self._may_end_a_stop(seq):
                 text = self._full_text(seq)
                 found = [(at, s) for s in p.stop if (at := text.find(s)) >= 0]
                 if found:
@@ -85,6 +85,26 @@ class OutputProcessor:
                     return
         if seq.num_output_tokens >= p.max_tokens:
             seq.finish_reason = "length"
+
+    def _may_end_a_stop(self, seq: Sequence) -> bool:
+        """Whether the token just appended may complete one of the sequence's stop strings,
+        found from the text of its last few tokens rather than its whole output (which grows
+        with every token; the whole text is decoded only when this says yes).
+
+        The text before this token held no stop string (it was checked after every token since
+        `min_tokens`), so a new one ends in what this token changed: its own characters and, at
+        most, a character its bytes completed. A character spans at most 4 tokens (one a UTF-8
+        byte), so a stop string of L characters lies within the last 4 L + 8 tokens, clear of
+        the window's first characters, where decoding alone can differ from the whole text
+        (a stripped leading space, a character cut in two). The first check after
+        `min_tokens` looks at the whole output, as a stop string may lie anywhere in it."""
+        p = seq.params
+        first_check = seq.num_output_tokens - 1 < p.min_tokens
+        start = seq.num_prompt_tokens
+        if not first_check:
+            start = max(start, len(seq.tokens) - 4 * max(map(len, p.stop)) - 8)
+        text = self.tokenizer.decode(seq.tokens[start:], skip_special_tokens=p.skip_special_tokens)
+        return any(stop in text for stop in p.stop)
 
     def _full_text(self, seq: Sequence) -> str:
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
