@@ -1,11 +1,14 @@
 """From sampled tokens to a request's output: stops, log-probabilities, text."""
 
+import functools
+
 import numpy as np
 
 from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxengine.engine.sampler import PromptLogprobs
 from jaxengine.engine.scheduler import ScheduledStep
 from jaxengine.engine.sequence import Sequence, Status
+from jaxengine.engine.text_so_far import TextSoFar
 
 
 class OutputProcessor:
@@ -110,9 +113,16 @@ class OutputProcessor:
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def decode(self, seq: Sequence) -> str:
-        """The output text so far, cut at a matched stop string ("" without detokenizing)."""
+        """The output text so far, cut at a matched stop string ("" without detokenizing). An
+        unfinished output's is decoded a window at a time (`TextSoFar`): streams ask for it
+        after every step."""
         if self.tokenizer is None or not seq.params.detokenize:
             return ""
+        if seq.finish_reason is None:
+            if seq.text_so_far is None:
+                decode = functools.partial(self.tokenizer.decode, skip_special_tokens=seq.params.skip_special_tokens)
+                seq.text_so_far = TextSoFar(decode)
+            return seq.text_so_far.of(seq.output_token_ids)
         text = self._full_text(seq)
         return text if seq.stop_text_cut is None else text[: seq.stop_text_cut]
 

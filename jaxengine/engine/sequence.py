@@ -11,6 +11,7 @@ from jaxengine.engine.list_mirror import Int32Mirror
 from jaxengine.engine.outputs import Logprob
 from jaxengine.engine.sampling_params import SamplingParams
 from jaxengine.engine.spec.state import SpecState
+from jaxengine.engine.text_so_far import TextSoFar
 
 
 class Status(enum.Enum):
@@ -65,6 +66,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     stop_text_cut: int | None = None  # characters of output text kept when a stop string matched
+    text_so_far: TextSoFar | None = None  # its output's text while unfinished (streams look after each step)
     first_token_time: float | None = None
     finish_time: float | None = None
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)

@@ -1,14 +1,16 @@
-"""The host's cost of one sampled token of a sequence with stop strings (`OutputProcessor.append`:
-the stop check), by how long its output already is: this checkout against an earlier revision.
+"""The host's cost of a sequence's text, by how long its output already is: handing it a sampled
+token when it has stop strings (`OutputProcessor.append`: the stop check), and its text so far
+after that token (`OutputProcessor.decode`, what a stream asks for after every step); this
+checkout against an earlier revision.
 
 The sequence's output is the tokens of an English text from the embedded default model's
 tokenizer, its stop strings two that never occur in it ("<|stop|>", "\\n\\n\\n"), so it runs to
-the longest length asked. At each length, the median microseconds of the appends of the
+the longest length asked. At each length, the median microseconds of each of the two over the
 `--window` tokens before it. Each version runs in processes of its own (the revision from a
 `git worktree` of it), the two taking turns `--pairs` times; reported: each version's median
 and the median of the per-pair ratios (this checkout over the revision).
 
-    python scripts/bench_stop_strings.py --revision aeb2747 [--lengths 100 1000 4000] [--pairs 3]
+    python scripts/bench_output_text.py --revision aeb2747 [--lengths 100 1000 4000] [--pairs 3]
 """
 
 import argparse
@@ -32,13 +34,16 @@ ids = tokenizer.encode(words * (max(lengths) // 8 + 1), add_special_tokens=False
 params = SamplingParams(stop=["<|stop|>", "\\n\\n\\n"], max_tokens=len(ids) + 1, ignore_eos=True)
 seq = Sequence("r", 0, [1, 2, 3], 3, params, seed=0)
 processor = OutputProcessor(tokenizer, eos_token_ids=())
-times = []
+append, decode = [], []
 for token in ids:
     start = time.perf_counter()
     processor.append(seq, token, None)
-    times.append(time.perf_counter() - start)
+    appended = time.perf_counter()
+    processor.decode(seq)
+    append.append(appended - start)
+    decode.append(time.perf_counter() - appended)
 assert seq.finish_reason is None, "a stop string matched: the benchmark's text must not hold one"
-print("RESULT " + json.dumps({n: statistics.median(times[n - window : n]) * 1e6 for n in lengths}))
+print("RESULT " + json.dumps({n: [statistics.median(t[n - window : n]) * 1e6 for t in (append, decode)] for n in lengths}))
 """
 
 
@@ -49,7 +54,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=50, help="appends timed before each length")
     parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args()
-    times: dict[str, list[dict[int, float]]] = {"this checkout": [], args.revision: []}
+    times: dict[str, list[dict[int, list[float]]]] = {"this checkout": [], args.revision: []}
     with revision_worktree(args.revision) as base:
         sources = {"this checkout": REPO, args.revision: base}
         for pair in range(args.pairs):
@@ -57,12 +62,13 @@ def main() -> None:
                 times[name].append(run_worker(sources[name], WORKER, [str(args.window), *map(str, args.lengths)]))
             print(f"pair {pair}: " + ", ".join(f"{n} {times[n][-1]}" for n in sources), flush=True)
     for n in args.lengths:
-        ours, theirs = ([t[n] for t in times[name]] for name in times)
-        ratio = statistics.median(a / b for a, b in zip(ours, theirs))
-        print(
-            f"output length {n}: this checkout {statistics.median(ours):.1f} µs a token, {args.revision} "
-            f"{statistics.median(theirs):.1f} µs, ratio {ratio:.3f} (median of {args.pairs} pairs)"
-        )
+        for part, what in enumerate(("the stop check (append)", "the text so far (decode)")):
+            ours, theirs = ([t[n][part] for t in times[name]] for name in times)
+            ratio = statistics.median(a / b for a, b in zip(ours, theirs))
+            print(
+                f"output length {n}, {what}: this checkout {statistics.median(ours):.1f} µs a token, "
+                f"{args.revision} {statistics.median(theirs):.1f} µs, ratio {ratio:.3f} (median of {args.pairs} pairs)"
+            )
 
 
 if __name__ == "__main__":
