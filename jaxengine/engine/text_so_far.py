@@ -3,8 +3,8 @@
 A streamed output is looked at after every step, and decoding its whole output each time is
 host work that grows with the output (200 µs at 1,000 tokens with the default model's
 tokenizer, per stream and step). `TextSoFar` keeps the text of the tokens it last saw and
-decodes only a window: the last `WINDOW` tokens it had, with those added since. Decoding is
-local — a token's characters depend on it and its near neighbours only (a character cut into
+decodes only a window: the last `WINDOW` tokens it had, with those added since (an output of
+up to `WHOLE_UP_TO` tokens is decoded whole, which costs no more). Decoding is local — a token's characters depend on it and its near neighbours only (a character cut into
 byte tokens, a leading space stripped, spaces cleaned up around punctuation) — so past its
 first few characters the window's text before and after the new tokens is the whole text's
 tail before and after them. Where the two windows agree on too little, or the kept text does
@@ -15,6 +15,7 @@ decodes the whole output instead.
 from collections.abc import Callable
 
 WINDOW = 32  # tokens decoded again with those appended
+WHOLE_UP_TO = 4 * WINDOW  # tokens decoded whole: as cheap as two windows
 MIN_AGREED = 16  # characters the two windows must share first: clear of the window's start
 
 
@@ -32,7 +33,7 @@ class TextSoFar:
         n = len(tokens)
         seen = self._tokens
         start = self._count - len(seen)
-        if n < self._count or n - self._count > WINDOW or tokens[start : self._count] != seen:
+        if n <= WHOLE_UP_TO or n < self._count or n - self._count > WINDOW or tokens[start : self._count] != seen:
             return self._remember(tokens, self._decode(tokens))
         if n == self._count:
             return self._text
