@@ -29,7 +29,16 @@ def _sentencepiece_like() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
-TOKENIZERS = [AutoTokenizer.from_pretrained(DEFAULT_MODEL), _sentencepiece_like()]
+def _wordpiece() -> PreTrainedTokenizerFast:
+    """A WordPiece tokenizer (BERT's kind): "##" continuations, spaces cleaned up around punctuation."""
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    tokenizer.train_from_iterator([TEXT], trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+TOKENIZERS = [AutoTokenizer.from_pretrained(DEFAULT_MODEL), _sentencepiece_like(), _wordpiece()]
 
 
 def _where_the_whole_text_stops(tokenizer, outputs: list[int], params: SamplingParams):
