@@ -8,8 +8,8 @@ up to `WHOLE_UP_TO` tokens is decoded whole, which costs no more). Decoding is l
 byte tokens, a leading space stripped, spaces cleaned up around punctuation) — so past its
 first few characters the window's text before and after the new tokens is the whole text's
 tail before and after them. Where the two windows agree on too little, or the kept text does
-not end as the old window does, or the tokens are not the ones seen plus some appended, it
-decodes the whole output instead.
+not end as the old window does, or the last tokens seen are not where they were (a list cut
+or replaced), it decodes the whole output instead.
 """
 
 from collections.abc import Callable
