@@ -3,12 +3,11 @@ transformers' greedy tokens, a conversation's next turn goes back to the replica
 prefix (and hits), new prompts spread by load, and bad sizes are refused by name."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from jaxengine import LLM, SamplingParams
+from tests.engine.fresh_process import last_line
 from tests.models.tiny_models import hf_greedy, random_prompt, save_tiny_model
 
 # With the step store on (the default): each replica's steps are its own devices' programs.
@@ -92,12 +91,4 @@ def test_replicas_run_twice_in_fresh_processes_on_one_store(bamba, tmp_path):
     env = {**os.environ, "HOME": str(tmp_path)}
     want = [hf_greedy(hf_model, p, 8) for p in prompts]
     for _ in range(2):
-        run = subprocess.run(
-            [sys.executable, "-c", PROGRAM, str(path), repr(ARGS), repr(prompts)],
-            env=env,
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert eval(run.stdout.strip().splitlines()[-1]) == want
+        assert eval(last_line(PROGRAM, str(path), repr(ARGS), repr(prompts), env=env)) == want

@@ -3,14 +3,13 @@ executables and the memory maps behind them, its device arrays, its background c
 the process keeps for later engines is bounded."""
 
 import gc
-import subprocess
-import sys
 
 import jax
 import pytest
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.engine import step_store
+from tests.engine.fresh_process import last_line
 
 # Token bucket 16, sequence buckets 1 and 2: seven step shapes, two compiled before serving
 # and five left to the background thread (the defaults: warm-up with background compiles).
@@ -42,14 +41,7 @@ print((maps, step_store.num_kept_steps()))
 
 def test_freed_engines_give_back_their_memory_maps(tiny_models):
     model = tiny_models["bamba"][0]
-    run = subprocess.run(
-        [sys.executable, "-c", CYCLES, str(model), repr(ARGS), repr(PROMPT)],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    maps, kept = eval(run.stdout.strip().splitlines()[-1])
+    maps, kept = eval(last_line(CYCLES, str(model), repr(ARGS), repr(PROMPT)))
     assert max(maps[1:]) <= 1.1 * maps[0], maps
     assert kept <= step_store.KEPT_STEPS
 

@@ -4,8 +4,6 @@ import gc
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -13,6 +11,7 @@ import pytest
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.engine import step_store
+from tests.engine.fresh_process import last_line
 
 # One token bucket and one sequence bucket: three step shapes, quick to compile.
 ARGS = dict(max_model_len=64, page_size=4, max_num_seqs=1, max_num_batched_tokens=16, background_compile=False)
@@ -77,14 +76,7 @@ print(len(compiles), out[0].outputs[0].token_ids)
 
 
 def _fresh_process(model, args: dict) -> tuple[int, list[int]]:
-    run = subprocess.run(
-        [sys.executable, "-c", IN_A_FRESH_PROCESS, str(model), repr(args), repr(PROMPT)],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    compiles, tokens = run.stdout.strip().splitlines()[-1].split(" ", 1)
+    compiles, tokens = last_line(IN_A_FRESH_PROCESS, str(model), repr(args), repr(PROMPT)).split(" ", 1)
     return int(compiles), eval(tokens)
 
 
@@ -227,19 +219,7 @@ def test_programs_that_share_a_store_in_turn_give_the_tokens_of_no_store(tiny_mo
     model = tiny_models["bamba"][0]
     other = dict(ARGS, max_model_len=48)
     env = {**os.environ, "HOME": str(tmp_path)}
-    got = [
-        subprocess.run(
-            [sys.executable, "-c", PROGRAM, str(model), repr(args), repr(PROMPT)],
-            env=env,
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        .stdout.strip()
-        .splitlines()[-1]
-        for args in (ARGS, other, ARGS)
-    ]
+    got = [last_line(PROGRAM, str(model), repr(args), repr(PROMPT), env=env) for args in (ARGS, other, ARGS)]
     want = stored[2], _tokens(LLM(model, **{**other, "compilation_cache_dir": None}))
     assert [eval(tokens) for tokens in got] == [want[0], want[1], want[0]]
     assert len(list((tmp_path / ".cache" / "jaxengine" / "xla" / "steps").glob("*.bin"))) == 6  # 3 shapes each
