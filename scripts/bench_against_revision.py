@@ -30,7 +30,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from revision_worktree import REPO, revision_worktree, run_worker
+from revision_worktree import REPO, revision_worktree, run_worker, take_turns
 
 DEFAULT_MODEL = REPO / "jaxengine" / "assets" / "default_model"  # `jaxengine.run_config.DEFAULT_MODEL`
 
@@ -132,12 +132,7 @@ def main() -> None:
         sources = {"this checkout": REPO, args.revision: base}
         caches = {name: tmp / f"cache-{i}" for i, name in enumerate(sources)}
         model = model_for(args.max_model_len, tmp)
-        rates: dict[str, list[dict[int, float]]] = {name: [] for name in sources}
-        for pair in range(args.pairs):
-            order = list(sources) if pair % 2 == 0 else list(sources)[::-1]
-            for name in order:
-                rates[name].append(run_version(sources[name], caches[name], model, args))
-            print(f"pair {pair}: " + ", ".join(f"{n} {rates[n][-1]}" for n in sources), flush=True)
+        rates = take_turns(sources, args.pairs, lambda name, source: run_version(source, caches[name], model, args))
     results = {}
     for batch in args.batch_sizes:
         ours = [r[batch]["tokens_per_s"] for r in rates["this checkout"]]

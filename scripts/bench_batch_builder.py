@@ -18,7 +18,7 @@ over the revision).
 import argparse
 import statistics
 
-from revision_worktree import REPO, revision_worktree, run_worker
+from revision_worktree import REPO, revision_worktree, run_worker, take_turns
 
 # Runs under either version: only the builder, the sequence and the sampling parameters.
 WORKER = """
@@ -62,13 +62,10 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--builds", type=int, default=200, help="builds per timed round")
     args = parser.parse_args()
-    times: dict[str, list[dict[int, float]]] = {"this checkout": [], args.revision: []}
+    worker_args = [str(args.builds), *map(str, args.batch_sizes)]
     with revision_worktree(args.revision) as base:
         sources = {"this checkout": REPO, args.revision: base}
-        for pair in range(args.pairs):
-            for name in list(sources) if pair % 2 == 0 else list(sources)[::-1]:
-                times[name].append(run_worker(sources[name], WORKER, [str(args.builds), *map(str, args.batch_sizes)]))
-            print(f"pair {pair}: " + ", ".join(f"{n} {times[n][-1]}" for n in sources), flush=True)
+        times = take_turns(sources, args.pairs, lambda name, source: run_worker(source, WORKER, worker_args))
     for n in args.batch_sizes:
         ours, theirs = ([t[n] for t in times[name]] for name in times)
         ratio = statistics.median(a / b for a, b in zip(ours, theirs))

@@ -16,7 +16,7 @@ and the median of the per-pair ratios (this checkout over the revision).
 import argparse
 import statistics
 
-from revision_worktree import REPO, revision_worktree, run_worker
+from revision_worktree import REPO, revision_worktree, run_worker, take_turns
 
 # Runs under either version: the output processor, the sequence and the sampling parameters.
 WORKER = """
@@ -54,13 +54,10 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=50, help="appends timed before each length")
     parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args()
-    times: dict[str, list[dict[int, list[float]]]] = {"this checkout": [], args.revision: []}
+    worker_args = [str(args.window), *map(str, args.lengths)]
     with revision_worktree(args.revision) as base:
         sources = {"this checkout": REPO, args.revision: base}
-        for pair in range(args.pairs):
-            for name in list(sources) if pair % 2 == 0 else list(sources)[::-1]:
-                times[name].append(run_worker(sources[name], WORKER, [str(args.window), *map(str, args.lengths)]))
-            print(f"pair {pair}: " + ", ".join(f"{n} {times[n][-1]}" for n in sources), flush=True)
+        times = take_turns(sources, args.pairs, lambda name, source: run_worker(source, WORKER, worker_args))
     for n in args.lengths:
         for part, what in enumerate(("the stop check (append)", "the text so far (decode)")):
             ours, theirs = ([t[n][part] for t in times[name]] for name in times)

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,6 +23,18 @@ def revision_worktree(revision: str) -> Iterator[Path]:
             yield path
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], check=False)
+
+
+def take_turns(sources: dict[str, Path], pairs: int, run: Callable[[str, Path], dict]) -> dict[str, list[dict]]:
+    """`run(name, source)` for each version in `sources`, `pairs` times, the order reversed every
+    other pair so that the machine's drift falls on both alike; prints each pair's results and
+    returns each version's, in order."""
+    results: dict[str, list[dict]] = {name: [] for name in sources}
+    for pair in range(pairs):
+        for name in list(sources) if pair % 2 == 0 else list(sources)[::-1]:
+            results[name].append(run(name, sources[name]))
+        print(f"pair {pair}: " + ", ".join(f"{n} {results[n][-1]}" for n in sources), flush=True)
+    return results
 
 
 def run_worker(source: Path, code: str, args: list[str]) -> dict[int, object]:
