@@ -18,8 +18,9 @@ Traces (a request's token hit rate counts its prompt only; see `replay_prefix_tr
                        message per turn, ~33 other requests between two turns of one;
   few-shot             a 1,536-token instruction, 4 families x 4 tasks of 256 + 256 tokens;
   tokens:PATH          any trace in the token format of TRACES.md;
-  mooncake:PATH[@K/M]  any trace in Mooncake's format (512-token blocks), optionally one
-                       replica's share.
+  mooncake:PATH[@K/M]  any trace in Mooncake's format, optionally one replica's share; its
+                       blocks are `--block-tokens` tokens (Mooncake's: 512, the default;
+                       Alibaba's Bailian traces: 16).
 `--budgets` replaces every trace's budgets (GB); a file's default is 5 10 20 40 80 for
 Mooncake's format and 1 2 4 8 for tokens.
 Each runs at its budgets through `replay_prefix_trace.py` with retention `dense` (the default)
@@ -112,13 +113,17 @@ DEFAULT_TRACES = [
 MOONCAKE_FILES = {"conv": "conversation_trace.jsonl", "synth": "synthetic_trace.jsonl"}
 
 
-def load(name: str, mooncake_dir: Path | None, out_dir: Path) -> tuple[Path, list[str], list[float]]:
-    """The trace file, the replay tool's format arguments, and the budgets (GB) of `name`."""
+def load(
+    name: str, mooncake_dir: Path | None, out_dir: Path, block_tokens: int = 512
+) -> tuple[Path, list[str], list[float]]:
+    """The trace file, the replay tool's format arguments, and the budgets (GB) of `name`
+    (`block_tokens`: the block size of a `mooncake:PATH` trace)."""
     if name.startswith("tokens:"):
         return Path(name.removeprefix("tokens:")), [], [1, 2, 4, 8]
     if name.startswith("mooncake:"):
         path, _, replica = name.removeprefix("mooncake:").partition("@")
-        return Path(path), ["--format", "mooncake", *(["--replica", replica] if replica else [])], MOONCAKE_BUDGETS
+        fmt = ["--format", "mooncake", "--block-tokens", str(block_tokens)]
+        return Path(path), fmt + (["--replica", replica] if replica else []), MOONCAKE_BUDGETS
     if name.startswith("mooncake-"):
         kind, replica = name.removeprefix("mooncake-").split("-", 1)
         if mooncake_dir is None:
@@ -262,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--model-config", type=Path, default=Path(__file__).parent.parent / "configs" / "models" / "nemotron-h-7b-shape"
     )
+    parser.add_argument("--block-tokens", type=int, default=512, help="tokens per block of the mooncake:PATH traces")
     parser.add_argument("--out-dir", type=Path, default=Path("bench_replay"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -273,7 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     results = {"date": time.strftime("%Y-%m-%d"), "model_config": str(args.model_config), "traces": {}}
     for name in names:
-        path, fmt, budgets = load(name, args.mooncake_dir, args.out_dir)
+        path, fmt, budgets = load(name, args.mooncake_dir, args.out_dir, args.block_tokens)
         budgets = args.budgets or budgets
         results["traces"][name] = run_trace(name, path, fmt, budgets, args.model_config, radix_cache)
     if args.json:

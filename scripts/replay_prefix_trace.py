@@ -8,15 +8,19 @@ reports the token hit rate, the bytes pages and checkpoints hold at the end, and
         [--block-tokens 512] [--replica K/M] --model-config ... --budget-bytes ...
 
 The trace is JSON Lines in the format of `TRACES.md` (`--format tokens`, the default;
-`input_tokens` and `output_tokens` are required), or Mooncake's (`--format mooncake`, the
-FAST'25 traces of kvcache-ai/Mooncake): `input_length`, `output_length` and `hash_ids`, one id
-per block of `--block-tokens` prompt tokens, equal ids meaning equal blocks. Block h becomes
+`input_tokens` and `output_tokens` are required), or Mooncake's (`--format mooncake`: the
+FAST'25 traces of kvcache-ai/Mooncake, and traces in the same fields such as Alibaba's Bailian
+traces with `--block-tokens 16`): `input_length`, `output_length` and `hash_ids`, one id per
+block of `--block-tokens` prompt tokens, equal ids meaning equal blocks. Each block id becomes
 `--block-tokens` token ids of its own, the last block cut to the input length; each output
 gets fresh ids, so a hit can end only at a block boundary (prompts are held as their blocks'
 ids and expanded one request at a time, so traces of hundreds of millions of tokens, such as
-those hashed per 16-token block, fit in memory). `--replica K/M` keeps the requests
-one of M replicas serves under prefix-affinity routing: those whose second block id (the
-first, for a one-block prompt; the first block is a prompt every request shares) is K mod M. Requests run one at a time in line order through the real `Scheduler` and
+those hashed per 16-token block, fit in memory). Mooncake's requests run in order of arrival
+(`timestamp`, or a session's `delay` after its turn before: `arrival_order`), a token trace's
+in line order. `--replica K/M` keeps the requests one of M replicas serves under
+prefix-affinity routing: those whose second block id (the first, for a one-block prompt; the
+first block is a prompt every request shares) is K mod M. Requests run one at a time through
+the real `Scheduler` and
 `PrefixCache`: the prompt is prefilled in one chunk (its `num_cached_tokens` is the hit), the
 trace's output tokens are appended as if sampled, one decode step each, and the sequence is
 finished, so the cache keeps exactly what the engine's finished sequence leaves (its last
@@ -166,23 +170,46 @@ def load_trace(path: Path) -> list[TraceRequest]:
 
 
 def load_mooncake(path: Path, block_tokens: int, replica: tuple[int, int] | None = None) -> list[TraceRequest]:
-    """A Mooncake trace's requests in line order, expanded to token ids (see the module's
-    docstring); a ValueError naming the line if one is malformed."""
-    records = [_check_mooncake(record, where, block_tokens) for where, record in json_lines(path)]
+    """A Mooncake trace's requests in order of arrival (`arrival_order`), expanded to token ids
+    (see the module's docstring); a ValueError naming the line if one is malformed."""
+    records = arrival_order([_check_mooncake(record, where, block_tokens) for where, record in json_lines(path)])
     if replica is not None:
         k, m = replica
         records = [r for r in records if r["hash_ids"][min(1, len(r["hash_ids"]) - 1)] % m == k]
     if not records:
         raise ValueError(f"{path}: no requests" + (f" in replica {replica[0]}/{replica[1]}" if replica else ""))
-    # Block h's tokens are h * block_tokens + j; outputs take fresh ids past every id used.
-    fresh = (max(h for r in records for h in r["hash_ids"]) + 1) * block_tokens
+    # Each block id gets a run of token ids of its own, ids numbered in order of first use (a
+    # trace's ids may be 64-bit hashes, as the SipHash ids of Alibaba's Bailian traces are);
+    # outputs take fresh ids past every block's.
+    runs: dict[int, int] = {}
+    starts = [[runs.setdefault(h, len(runs)) * block_tokens for h in r["hash_ids"]] for r in records]
+    fresh = len(runs) * block_tokens
     requests = []
-    for index, r in enumerate(records):
-        prompt = BlockTokens([h * block_tokens for h in r["hash_ids"]], block_tokens, r["input_length"])
+    for index, (r, prompt_starts) in enumerate(zip(records, starts)):
+        prompt = BlockTokens(prompt_starts, block_tokens, r["input_length"])
         output = BlockTokens([fresh], r["output_length"], r["output_length"])
         fresh += r["output_length"]
         requests.append(TraceRequest(-1, index, prompt, output))
     return requests
+
+
+def arrival_order(records: list[dict]) -> list[dict]:
+    """The records in the order their requests arrive: by `timestamp` (ties in line order),
+    where a record without one is a later turn of a session given as a `delay` after the turn
+    before it (`session_id`; the multi-turn form of Mooncake's format that aiperf reads; the
+    time that turn took to serve is not known, so it counts as none); in line order where
+    neither says when a request arrives."""
+    arrivals, last_of_session = [], {}
+    for r in records:
+        if "timestamp" in r:
+            at = r["timestamp"]
+        elif "delay" in r and r.get("session_id") in last_of_session:
+            at = last_of_session[r["session_id"]] + r["delay"]
+        else:
+            return records
+        last_of_session[r.get("session_id")] = at
+        arrivals.append(at)
+    return [records[i] for i in sorted(range(len(records)), key=arrivals.__getitem__)]
 
 
 def _check_mooncake(record: dict, where: str, block_tokens: int) -> dict:
@@ -192,6 +219,9 @@ def _check_mooncake(record: dict, where: str, block_tokens: int) -> dict:
                 f"{where}: '{field}' must be a {'positive' if field == 'input_length' else 'non-negative'} "
                 f"integer, got {record.get(field)!r}"
             )
+    for field in ("timestamp", "delay"):
+        if field in record and (not isinstance(record[field], int | float) or isinstance(record[field], bool)):
+            raise ValueError(f"{where}: '{field}' must be a number, got {record[field]!r}")
     ids = record.get("hash_ids")
     if not isinstance(ids, list) or not all(isinstance(h, int) and h >= 0 for h in ids):
         raise ValueError(f"{where}: 'hash_ids' must be a list of non-negative integers")

@@ -40,3 +40,15 @@ def test_other_shapes_get_the_replays_bytes(name):
     assert kv == s.kv_page_bytes / 16
     assert checkpoint == pytest.approx(s.checkpoint_bytes, rel=0.005)
     assert (model["num_ssm_layers"], model["num_attn_layers"]) == (cfg.num_recurrent_layers, cfg.num_attention_layers)
+
+
+def test_a_mooncake_format_trace_is_replayed_in_its_own_block_size(tmp_path):
+    path, fmt, _ = bench.load("mooncake:/traces/qwen.jsonl@1/4", None, tmp_path, block_tokens=16)
+    assert path == Path("/traces/qwen.jsonl")
+    assert fmt == ["--format", "mooncake", "--block-tokens", "16", "--replica", "1/4"]
+    assert bench.load("mooncake:/traces/m.jsonl", None, tmp_path)[1] == [
+        "--format",
+        "mooncake",
+        "--block-tokens",
+        "512",
+    ]

@@ -326,12 +326,56 @@ def test_mooncake_blocks_become_token_ids(tmp_path):
     trace = _mooncake(tmp_path / "m.jsonl", [(70, 3, [7, 8, 9]), (40, 2, [7, 5]), (96, 1, [7, 8, 6])])
     requests = replay.load_mooncake(trace, 32)
     a, b, c = requests
-    assert a.input_tokens == [h * 32 + j for h in (7, 8) for j in range(32)] + [9 * 32 + j for j in range(6)]
+    assert len(a.input_tokens) == 70 and len(set(a.input_tokens)) == 70  # three blocks, none alike
     assert b.input_tokens[:32] == a.input_tokens[:32] and b.input_tokens[32] != a.input_tokens[32]
+    assert not set(b.input_tokens[32:]) & set(a.input_tokens)  # block 5 is none of 7, 8, 9
     assert c.input_tokens[:64] == a.input_tokens[:64] and len(c.input_tokens) == 96
     outputs = a.output_tokens + b.output_tokens + c.output_tokens
     assert len(outputs) == 6 and len(set(outputs)) == 6  # fresh: never equal to any prompt token
     assert not set(outputs) & {t for r in requests for t in r.input_tokens}
+
+
+def test_mooncake_block_ids_may_be_64_bit_hashes(tmp_path):
+    # Bailian's traces give SipHash ids; equal ids are equal blocks whatever their size.
+    big, other = 2**64 - 5, 2**63 + 11
+    trace = _mooncake(tmp_path / "m.jsonl", [(20, 1, [big, other]), (30, 1, [big, 3]), (16, 1, [other])])
+    a, b, c = replay.load_mooncake(trace, 16)
+    assert a.input_tokens[:16] == b.input_tokens[:16] and a.input_tokens[16:] == c.input_tokens[:4]
+    assert not set(b.input_tokens[16:]) & set(a.input_tokens)
+    assert all(0 <= t < 2**31 for r in (a, b, c) for t in r.input_tokens + r.output_tokens)
+
+
+def _lines(path: Path, records: list[dict]) -> Path:
+    """Mooncake lines of one block each (id: the line's index) and one output token."""
+    path.write_text(
+        "".join(json.dumps({"output_length": 1, "hash_ids": [i], **r}) + "\n" for i, r in enumerate(records))
+    )
+    return path
+
+
+def test_mooncake_requests_run_in_order_of_arrival(tmp_path):
+    # Each request told apart by its input length.
+    by_time = _lines(
+        tmp_path / "t.jsonl",
+        [{"timestamp": 30, "input_length": 1}, {"timestamp": 10, "input_length": 2},
+         {"timestamp": 30, "input_length": 3}, {"timestamp": 20, "input_length": 4}],
+    )  # fmt: skip
+    assert [len(r.input_tokens) for r in replay.load_mooncake(by_time, 16)] == [2, 4, 1, 3]  # ties in line order
+    # A session's later turn given as a delay after the turn before it (aiperf's multi-turn form):
+    # a1 at 0, b1 at 20, b2 at 30, a2 at 50.
+    sessions = _lines(
+        tmp_path / "s.jsonl",
+        [{"session_id": "a", "timestamp": 0, "input_length": 1},
+         {"session_id": "a", "delay": 50, "input_length": 2},
+         {"session_id": "b", "timestamp": 20, "input_length": 3},
+         {"session_id": "b", "delay": 10, "input_length": 4}],
+    )  # fmt: skip
+    assert [len(r.input_tokens) for r in replay.load_mooncake(sessions, 16)] == [1, 3, 4, 2]
+    # Nothing says when the first turn came: line order.
+    untimed = _lines(tmp_path / "u.jsonl", [{"input_length": 5}, {"delay": 5, "input_length": 6}, {"input_length": 7}])
+    assert [len(r.input_tokens) for r in replay.load_mooncake(untimed, 16)] == [5, 6, 7]
+    with pytest.raises(ValueError, match=r"n.jsonl:1: 'timestamp' must be a number"):
+        replay.load_mooncake(_lines(tmp_path / "n.jsonl", [{"timestamp": "noon", "input_length": 1}]), 16)
 
 
 def test_mooncake_replica_keeps_the_requests_of_one_prefix_class(tmp_path):
