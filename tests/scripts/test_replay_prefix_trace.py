@@ -419,6 +419,25 @@ def test_mooncake_hits_end_on_block_boundaries(tmp_path):
     assert hits[-4:] == shared[-4:]
 
 
+def test_a_bailian_shaped_trace_replays_in_time_order(tmp_path):
+    # Alibaba's Bailian traces: 16-token blocks named by 64-bit hashes, fields of their own,
+    # timestamps in seconds. One conversation of four turns, each the last one's prompt and two
+    # blocks more, written newest first: replayed by arrival, each turn hits the whole turn before.
+    ids = [2**63 + 7 * k for k in range(8)]
+    turns = [ids[: 2 + 2 * t] for t in range(4)]
+    rows = [
+        {"chat_id": t, "parent_chat_id": t - 1 if t else -1, "turn": t + 1, "type": "text", "timestamp": 60.0 + t,
+         "input_length": 16 * len(blocks), "output_length": 3, "hash_ids": blocks}
+        for t, blocks in enumerate(turns)
+    ]  # fmt: skip
+    trace = tmp_path / "qwen_trace_blksz_16.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in reversed(rows)))
+    result = _run(
+        trace, HYBRID, "--format", "mooncake", "--block-tokens", "16", "--budget-bytes", "1e9", "--retention", "sparse"
+    )
+    assert [r["hit_tokens"] for r in result["per_request"]] == [0, 32, 64, 96]
+
+
 def test_the_engines_pool_arrangement(shared_prefix_trace):
     # One pool of 40 blocks, the running request's pages from it too, nothing trimmed.
     result = _run(shared_prefix_trace, HYBRID, "--budget-bytes", "0", "--pool-blocks", "40")
