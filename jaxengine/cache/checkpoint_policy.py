@@ -15,7 +15,11 @@ boundary in that span: the scan produces it (see `pallas_kernels/ssd/reference.p
       where the next turn of a conversation resumes).
   Prompt ends and trailing edges carry the hit count the sequence inherited from the
   checkpoint it resumed from (1 for a fresh prefix), so a conversation that keeps coming back
-  keeps its latest state.
+  keeps its latest state. With dense retention a fresh prefix's prompt end starts as a
+  candidate instead (the scheduler's `_hits`): most first turns never come back, and the
+  prompt's rungs stay used below it, so until a request comes back to it (which makes it a
+  junction) the prompt's tail above its top rung holds only room nothing used needs (2Q's
+  probation for a prompt's tail: the heads of many prompts rather than a few whole ones).
 * *Candidates* (hits 0) at the other boundaries on the grain, per the retention interval
   (vLLM's `prefix_cache_retention_interval`): `None` every one (dense), `0` none (sparse), `N`
   every N tokens (the user's choice, grain or not). They fill room nothing more valuable

@@ -15,7 +15,8 @@ Blocks held by running sequences are theirs; every other block is cache content,
 when blocks are needed, in this order:
   1. *dead pages* (models with recurrent layers): a page with no checkpoint at or below it in
      the tree can never produce a hit. Leaves go first, least recently released first.
-  2. *speculative* checkpoints (used 0 times: dense candidates), oldest first.
+  2. *speculative* checkpoints (used 0 times: dense candidates, and with dense retention the
+     prompt end of a prefix no request has come back to yet), oldest first.
   3. used hit points (checkpoints, or leaf pages of an attention-only model), lowest rank
      first, ranked by `reuse_model.ReuseModel`: expected saved compute per byte per request
      of waiting, learned online from when hit points of each kind got reused. A used

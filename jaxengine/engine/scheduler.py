@@ -323,17 +323,19 @@ class Scheduler:
                 saves.append(CheckpointSave(i, -neg_pos, blocks, kind, hits))
         return saves
 
-    @staticmethod
-    def _hits(seq: Sequence, kind: Kind, position: int) -> int:
+    def _hits(self, seq: Sequence, kind: Kind, position: int) -> int:
         """The hit count a new checkpoint at `position` starts with (see `checkpoint_policy`):
         a junction's is the number of requests that passed there, this one included; a rung
-        starts as used once, a kind of its own."""
+        starts as used once, a kind of its own; with dense retention a fresh prefix's prompt
+        end is a candidate (0) until a request comes back to it."""
         if kind is Kind.CANDIDATE:
             return 0
         if kind is Kind.JUNCTION:
             return seq.junctions[position]
         if kind is Kind.RUNG:
             return 1
+        if kind is Kind.PROMPT and seq.heat == 1 and self.retention_interval is checkpoint_policy.DENSE:
+            return 0
         return seq.heat
 
     # ------------------------------------------------------------------ after a step

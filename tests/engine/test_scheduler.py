@@ -279,6 +279,23 @@ def test_the_next_turn_hits_past_the_answer():
     assert _one(sched, device, turn2, "b").num_cached_tokens == (len(a.tokens) - 1) // PAGE * PAGE
 
 
+@pytest.mark.parametrize("retention", [checkpoint_policy.DENSE, checkpoint_policy.SPARSE])
+def test_a_fresh_prompts_end_waits_as_a_candidate_until_a_request_comes_back(retention):
+    """With dense retention a first turn's prompt end is a candidate (below all used content)
+    while the rungs under it are used; the next turn comes back and its own end is used.
+    Sparse retention has no rungs to fall back to: a fresh end is used at once."""
+    sched, device = _scheduler(600, 4, 64, retention=retention), FakeDevice()
+    a = _one(sched, device, [i % 53 for i in range(100)], "a", max_tokens=10)
+    hits = {c.depth: c.hits for c in sched.cache.checkpoints.values()}
+    dense = retention is checkpoint_policy.DENSE
+    assert hits[100] == (0 if dense else 1)
+    if dense:
+        assert all(hits[d] >= 1 for d in (4, 8, 16, 32, 64))  # its ladder of rungs
+    b = _one(sched, device, a.tokens + [9, 9, 9], "b")
+    assert b.num_cached_tokens == 108  # past the answer
+    assert {c.depth: c.hits for c in sched.cache.checkpoints.values()}[112] >= 2
+
+
 def test_different_salts_share_nothing():
     sched, device = _scheduler(400, 4, 64), FakeDevice()
     prompt = list(range(50))
