@@ -30,7 +30,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from revision_worktree import REPO, revision_worktree, run_worker, take_turns
+from revision_worktree import REPO, median_ratio, revision_worktree, run_worker, take_turns
 
 DEFAULT_MODEL = REPO / "jaxengine" / "assets" / "default_model"  # `jaxengine.run_config.DEFAULT_MODEL`
 
@@ -140,7 +140,7 @@ def main() -> None:
         results[batch] = {
             "this_checkout_tokens_per_s": statistics.median(ours),
             "revision_tokens_per_s": statistics.median(theirs),
-            "ratio": statistics.median(a / b for a, b in zip(ours, theirs)),
+            "ratio": median_ratio(ours, theirs),
             "this_checkout_host_before_ms": _median_or_none(r[batch]["host_before_ms"] for r in rates["this checkout"]),
             "revision_host_before_ms": _median_or_none(r[batch]["host_before_ms"] for r in rates[args.revision]),
             "this_checkout_host_ms": _median_or_none(r[batch].get("host_ms") for r in rates["this checkout"]),

@@ -18,7 +18,7 @@ over the revision).
 import argparse
 import statistics
 
-from revision_worktree import REPO, revision_worktree, run_worker, take_turns
+from revision_worktree import median_ratio, worker_turns
 
 # Runs under either version: only the builder, the sequence and the sampling parameters.
 WORKER = """
@@ -63,12 +63,10 @@ def main() -> None:
     parser.add_argument("--builds", type=int, default=200, help="builds per timed round")
     args = parser.parse_args()
     worker_args = [str(args.builds), *map(str, args.batch_sizes)]
-    with revision_worktree(args.revision) as base:
-        sources = {"this checkout": REPO, args.revision: base}
-        times = take_turns(sources, args.pairs, lambda name, source: run_worker(source, WORKER, worker_args))
+    times = worker_turns(args.revision, args.pairs, WORKER, worker_args)
     for n in args.batch_sizes:
         ours, theirs = ([t[n] for t in times[name]] for name in times)
-        ratio = statistics.median(a / b for a, b in zip(ours, theirs))
+        ratio = median_ratio(ours, theirs)
         print(
             f"batch {n}: this checkout {statistics.median(ours):.3f} ms a build, {args.revision} "
             f"{statistics.median(theirs):.3f} ms, ratio {ratio:.2f} (median of {args.pairs} pairs)"

@@ -16,7 +16,7 @@ and the median of the per-pair ratios (this checkout over the revision).
 import argparse
 import statistics
 
-from revision_worktree import REPO, revision_worktree, run_worker, take_turns
+from revision_worktree import median_ratio, worker_turns
 
 # Runs under either version: the output processor, the sequence and the sampling parameters.
 WORKER = """
@@ -55,13 +55,11 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args()
     worker_args = [str(args.window), *map(str, args.lengths)]
-    with revision_worktree(args.revision) as base:
-        sources = {"this checkout": REPO, args.revision: base}
-        times = take_turns(sources, args.pairs, lambda name, source: run_worker(source, WORKER, worker_args))
+    times = worker_turns(args.revision, args.pairs, WORKER, worker_args)
     for n in args.lengths:
         for part, what in enumerate(("the stop check (append)", "the text so far (decode)")):
             ours, theirs = ([t[n][part] for t in times[name]] for name in times)
-            ratio = statistics.median(a / b for a, b in zip(ours, theirs))
+            ratio = median_ratio(ours, theirs)
             print(
                 f"output length {n}, {what}: this checkout {statistics.median(ours):.1f} µs a token, "
                 f"{args.revision} {statistics.median(theirs):.1f} µs, ratio {ratio:.3f} (median of {args.pairs} pairs)"

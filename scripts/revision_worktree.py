@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,20 @@ def take_turns(sources: dict[str, Path], pairs: int, run: Callable[[str, Path], 
             results[name].append(run(name, sources[name]))
         print(f"pair {pair}: " + ", ".join(f"{n} {results[n][-1]}" for n in sources), flush=True)
     return results
+
+
+def worker_turns(revision: str, pairs: int, code: str, args: list[str]) -> dict[str, list[dict]]:
+    """`run_worker(source, code, args)` as this checkout ("this checkout") and as `revision`,
+    taking turns `pairs` times (`take_turns`): each version's results, in order."""
+    with revision_worktree(revision) as base:
+        sources = {"this checkout": REPO, revision: base}
+        return take_turns(sources, pairs, lambda name, source: run_worker(source, code, args))
+
+
+def median_ratio(ours: list[float], theirs: list[float]) -> float:
+    """The median of the per-pair ratios ours / theirs (pairs ran back to back, so the
+    machine's drift cancels within each)."""
+    return statistics.median(a / b for a, b in zip(ours, theirs))
 
 
 def run_worker(source: Path, code: str, args: list[str]) -> dict[int, object]:
