@@ -52,3 +52,39 @@ def test_a_mooncake_format_trace_is_replayed_in_its_own_block_size(tmp_path):
         "--block-tokens",
         "512",
     ]
+
+
+def test_marconis_hits_are_cut_to_whole_pages_short_of_the_prompts_last_token():
+    class Request:
+        def __init__(self, n):
+            self.input_tokens = list(range(n))
+
+    # 40-token prompt, 37 tokens hit: 2 pages. 48-token prompt hit whole: the last token is
+    # computed, so 47 -> 2 pages. 16-token prompt hit whole: 15 -> none. No hit: none.
+    requests = [Request(40), Request(48), Request(16), Request(100)]
+    assert bench.page_hits([37, 48, 16, 0], requests, 16) == [32, 32, 0, 0]
+
+
+def test_marconis_rates_as_it_counts_and_in_pages():
+    class FakeRadixCache:
+        """Hits each prompt as long as the prompt before it (Marconi's request_history rows)."""
+
+        def __init__(self, **kwargs):
+            self.request_history, self._last = [], 0
+
+        def match_prefix(self, prompt):
+            hit = min(self._last, len(prompt))
+            self.request_history.append((hit > 0, len(prompt), hit))
+
+        def insert(self, token_ids, state_at_leaf, state_at_branchoff):
+            self._last = len(token_ids)
+
+    class Request:
+        def __init__(self, n_in, n_out):
+            self.input_tokens, self.output_tokens = list(range(n_in)), list(range(n_out))
+
+    # Hits 0, then 30 (the first request's 20 + 10 tokens), then 50 of 50 (the second's 40 + 20).
+    requests = [Request(20, 10), Request(40, 20), Request(50, 0)]
+    as_counted, in_pages = bench.marconi(FakeRadixCache, requests, 1e9, 1, {}, 16)
+    assert as_counted == pytest.approx((0 + 30 + 50) / 110)
+    assert in_pages == pytest.approx((0 + 16 + 48) / 110)
