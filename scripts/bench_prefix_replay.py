@@ -192,19 +192,16 @@ def marconi(
             prompt = list(r.input_tokens)
             tree.match_prefix(prompt)
             tree.insert(token_ids=prompt + list(r.output_tokens), state_at_leaf=i, state_at_branchoff=i)
-    saved = [h[2] for h in tree.request_history]  # (hit, prompt tokens, tokens saved) per request
-    total = sum(len(r.input_tokens) for r in requests)
-    return sum(saved) / total, sum(page_hits(saved, requests, page_size)) / total
+    _, prompts, saved = zip(*tree.request_history)  # (hit, prompt tokens, tokens saved) per request
+    return sum(saved) / sum(prompts), sum(page_hits(saved, prompts, page_size)) / sum(prompts)
 
 
-def page_hits(saved: list[int], requests: list, page_size: int) -> list[int]:
-    """Token hits counted as the engine counts its own: whole pages, and at least the prompt's
-    last token computed. Marconi's cache holds a state at each hit's exact end, not at the page
-    boundary below it, so this bounds from above what its content would give under the
-    engine's rules."""
-    return [
-        min(hit // page_size, (len(r.input_tokens) - 1) // page_size) * page_size for hit, r in zip(saved, requests)
-    ]
+def page_hits(saved: list[int], prompts: list[int], page_size: int) -> list[int]:
+    """Token hits (`saved`, of prompts `prompts` tokens long) counted as the engine counts its
+    own: whole pages, and at least the prompt's last token computed. Marconi's cache holds a
+    state at each hit's exact end, not at the page boundary below it, so this bounds from above
+    what its content would give under the engine's rules."""
+    return [min(hit // page_size, (n - 1) // page_size) * page_size for hit, n in zip(saved, prompts)]
 
 
 def run_trace(name: str, path: Path, fmt: list[str], budgets: list[float], model_config: Path, radix_cache) -> dict:

@@ -55,14 +55,9 @@ def test_a_mooncake_format_trace_is_replayed_in_its_own_block_size(tmp_path):
 
 
 def test_marconis_hits_are_cut_to_whole_pages_short_of_the_prompts_last_token():
-    class Request:
-        def __init__(self, n):
-            self.input_tokens = list(range(n))
-
     # 40-token prompt, 37 tokens hit: 2 pages. 48-token prompt hit whole: the last token is
     # computed, so 47 -> 2 pages. 16-token prompt hit whole: 15 -> none. No hit: none.
-    requests = [Request(40), Request(48), Request(16), Request(100)]
-    assert bench.page_hits([37, 48, 16, 0], requests, 16) == [32, 32, 0, 0]
+    assert bench.page_hits([37, 48, 16, 0], [40, 48, 16, 100], 16) == [32, 32, 0, 0]
 
 
 def test_marconis_rates_as_it_counts_and_in_pages():
