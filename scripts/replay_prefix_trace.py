@@ -344,7 +344,7 @@ def build_scheduler(cfg: ModelConfig, s: Sizes, page_size: int, retention: int |
         has_kv=bool(s.kv_page_bytes),
         checkpoint_blocks=s.checkpoint_blocks,
         value=costs.value_fn(),
-        rung_value=costs.rung_value,
+        checkpoint_value=costs.checkpoint_value,
     )
     slots = LiveSlots(LIVE_SLOTS) if s.checkpoint_bytes else None
     return Scheduler(

@@ -29,10 +29,11 @@ boundary in that span: the scan produces it (see `pallas_kernels/ssd/reference.p
   prompt. A request that leaves a cached prompt where nobody left it before finds no
   junction there, and the candidates it passes are long gone (they rank below all used
   content); a rung at least half as deep as where it leaves is kept as a used checkpoint of
-  its own kind (`reuse_model.RUNG`), ranked by how often rungs get hit. While deeper
-  checkpoints on its path stay, a rung costs only its own blocks (its pages are held for
-  them), so it is then ranked by the compute it saves over the rung below per checkpoint byte
-  (`hit_value.ModelCosts.rung_value`). A prompt of n grains has about log2(n) of them.
+  its own kind (`reuse_model.RUNG`), ranked by how often rungs get hit. Like any
+  checkpoint it is worth the compute it saves over the checkpoint above it (the rung half as
+  deep) per byte its eviction frees, which while deeper checkpoints on its path stay is only
+  its own (`hit_value.ModelCosts.checkpoint_value`). A prompt of n grains has about log2(n)
+  of them.
 
 The *grain* is the page multiple prefixes have been seen to part at (`divergence_grain.py`):
 one page for traffic that parts anywhere, a block for traffic whose prefixes are equal only in

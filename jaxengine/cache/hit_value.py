@@ -23,11 +23,20 @@ class ModelCosts:
         return self.checkpoint_bytes + num_tokens * self.kv_bytes_per_token
 
     def value_fn(self) -> Callable[[int], float]:
-        """`depth -> saved FLOPs per byte held`, the value the eviction rule weighs hits by."""
+        """`depth -> saved FLOPs per byte held`, the value the eviction rule weighs a cached
+        page by (models without recurrent layers, whose every page is a hit point)."""
         return lambda depth: self.prefix_flops(depth) / max(self.hit_bytes(depth), 1)
 
-    def rung_value(self, depth: int) -> float:
-        """What a rung of a prompt's ladder (`checkpoint_policy`) at `depth` saves per byte while
-        deeper checkpoints hold its pages: the compute between it and the rung below (half as
-        deep) per checkpoint byte, the only bytes its eviction frees."""
-        return (self.prefix_flops(depth) - self.prefix_flops(depth // 2)) / max(self.checkpoint_bytes, 1)
+    def checkpoint_value(self, depth: int, above: int, frees_pages: bool) -> float:
+        """What a checkpoint at `depth` saves per byte its eviction frees, when `above` is the
+        depth of the nearest checkpoint above it on its path (0: none), where its hits would
+        resume without it: the compute between the two, per byte of the checkpoint and, when
+        `frees_pages` (no checkpoint below it holds them), of the pages between the two.
+
+        This is Marconi's FLOP efficiency of a radix node (Pan et al., MLSys 2025) for a
+        checkpoint: a checkpoint a page past another saves a page's compute, however deep, so
+        a path dense with junctions keeps its pages and a sparse ladder rather than a few whole
+        paths of checkpoints."""
+        saved = self.prefix_flops(depth) - self.prefix_flops(above)
+        freed = self.checkpoint_bytes + ((depth - above) * self.kv_bytes_per_token if frees_pages else 0)
+        return saved / max(freed, 1)

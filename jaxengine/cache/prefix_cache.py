@@ -19,13 +19,15 @@ when blocks are needed, in this order:
      prompt end of a prefix no request has come back to yet), oldest first.
   3. used hit points (checkpoints, or leaf pages of an attention-only model), lowest rank
      first, ranked by `reuse_model.ReuseModel`: expected saved compute per byte per request
-     of waiting, learned online from when hit points of each kind got reused. A used
-     checkpoint with others below it goes only after them, unless requests went past it (a
-     prompt end its sequence has decoded past, a candidate a running request resumed from
-     on a cached path) or it is a rung of a prompt's ladder not hit yet: a shared prefix's
-     checkpoint is where every request on it falls back to, and it costs little, since the
-     pages it needs are held for those below anyway. (A rung with others below it is ranked
-     by what it saves over the rung below per byte of its own: `rung_value`.)
+     of waiting, learned online from when hit points of each kind got reused. A checkpoint
+     that ends its path is worth the whole prefix it saves per byte of it and its pages. One
+     with checkpoints below it frees only its own blocks when it goes (its pages are held for
+     those below), and its hits lose only what it saves over the nearest checkpoint above it,
+     where they would resume: it is worth that per byte of its own (Marconi's FLOP efficiency
+     of a radix node). So a checkpoint a page below another goes early however deep it is,
+     and a path that requests leave at every page keeps its pages and a sparse ladder of
+     checkpoints rather than a few whole paths dense with them, while a shared prefix's
+     checkpoint, which every request on it falls back to, costs little and stays.
 When a checkpoint goes, the pages that only it made reachable become dead, so a cold chain
 goes whole before the tails of other chains.
 
@@ -89,6 +91,10 @@ class Checkpoint:
     last_use: int  # request clock
     pins: int = 0  # steps about to read it
     version: int = 0
+    # The nearest checkpoint above it on its path (None: none), where its hits resume without
+    # it, and the checkpoints whose nearest one above it is (a dict: an order that repeats).
+    above: "Checkpoint | None" = None
+    under: dict["Checkpoint", None] = dataclasses.field(default_factory=dict)
 
     @property
     def depth(self) -> int:
@@ -123,12 +129,11 @@ class CacheCounters:
 class PrefixCache:
     """Cached pages and checkpoints over a block pool, with their eviction order.
 
-    `value(depth)` is what a hit at `depth` tokens saves per byte held (any unit), and
-    `rung_value(depth)` what a rung of a prompt's ladder at `depth` saves per byte while
-    checkpoints below it hold its pages (`hit_value.ModelCosts`; `value` if not given; a model
-    without attention layers has no pages, so its rungs are valued like any checkpoint);
-    `checkpoint_blocks` is 0 for a model without recurrent layers, `has_kv` False for a model
-    without attention layers (its nodes then hold no block)."""
+    `value(depth)` is what a hit on a cached page at `depth` tokens saves per byte held (any
+    unit; models without recurrent layers), `checkpoint_value(depth, above, frees_pages)` what
+    a checkpoint saves over the nearest one above it per byte its eviction frees
+    (`hit_value.ModelCosts`); `checkpoint_blocks` is 0 for a model without recurrent layers,
+    `has_kv` False for a model without attention layers (its nodes then hold no block)."""
 
     def __init__(
         self,
@@ -138,7 +143,7 @@ class PrefixCache:
         has_kv: bool,
         checkpoint_blocks: int,
         value: Callable[[int], float],
-        rung_value: Callable[[int], float] | None = None,
+        checkpoint_value: Callable[[int, int, bool], float],
         enabled: bool = True,
     ):
         self.pool = pool
@@ -146,11 +151,12 @@ class PrefixCache:
         self.has_kv = has_kv
         self.checkpoint_blocks = checkpoint_blocks
         self.value = value
-        self.rung_value = rung_value or value
+        self.checkpoint_value = checkpoint_value
         self.enabled = enabled
         self.nodes: dict[bytes, Node] = {}
         self.node_of_block: dict[int, Node] = {}
         self.checkpoints: dict[bytes, Checkpoint] = {}
+        self._tops: dict[Checkpoint, None] = {}  # checkpoints with none above them
         self.pending: set[int] = set()  # blocks of checkpoints a step is writing
         self.now = 0  # requests admitted: the clock hit-point ages are counted in
         self.model = ReuseModel(max_ghosts=max(256, pool.num_blocks))
@@ -178,16 +184,33 @@ class PrefixCache:
             return SPECULATIVE
         age = self.now - hit_point.last_use
         cls = hit_class(hit_point.origin, hit_point.hits)
-        # A rung whose pages checkpoints below it hold frees only its own blocks when evicted.
-        held = hit_point.origin == RUNG and self.has_kv and hit_point.node.visible_below > 0
-        value = self.rung_value if held else self.value
-        return self.model.density(cls, age) * value(hit_point.depth), hit_point.hits
+        if isinstance(hit_point, Checkpoint):
+            above = hit_point.above.depth if hit_point.above is not None else 0
+            value = self._checkpoint_value(hit_point.depth, not hit_point.node.visible_below, above)
+        else:
+            value = self.value(hit_point.depth)
+        return self.model.density(cls, age) * value, hit_point.hits
 
-    def prospective_rank(self, depth: int, origin: int, hits: int) -> tuple[float, int]:
-        """The rank a checkpoint written now at `depth` would get."""
+    def prospective_rank(self, depth: int, origin: int, hits: int, ends_path: bool, above: int) -> tuple[float, int]:
+        """The rank a checkpoint written now at `depth` would get: what writing it adds, the
+        compute between it and `above` (the nearest checkpoint above it, where its hits would
+        otherwise resume) per byte of it and, if it ends its path, of the pages between the two,
+        which only it would keep. Once written it is ranked as any other (`rank`)."""
         if hits == 0:
             return SPECULATIVE
-        return self.model.density(hit_class(origin, hits), 0) * self.value(depth), hits
+        value = self.checkpoint_value(depth, above, self.has_kv and ends_path)
+        return self.model.density(hit_class(origin, hits), 0) * value, hits
+
+    def _checkpoint_value(self, depth: int, ends_path: bool, above: int) -> float:
+        """What keeping a checkpoint at `depth` saves per byte. One that ends its path (no
+        checkpoint below it) is worth the whole prefix per byte of it and its pages: when it
+        goes its pages go, and the checkpoints above it, kept for it, are path ends in turn.
+        One with checkpoints below it frees only its own blocks (its pages are held for them)
+        and loses only what it saves over `above`, the nearest checkpoint above it, where its
+        hits would resume (`hit_value.ModelCosts.checkpoint_value`)."""
+        if ends_path:
+            return self.checkpoint_value(depth, 0, self.has_kv)
+        return self.checkpoint_value(depth, above, False)
 
     def _push(self, hit_point: Node | Checkpoint) -> None:
         hit_point.version += 1
@@ -208,8 +231,6 @@ class PrefixCache:
 
     def _evictable(self, hit_point: Node | Checkpoint) -> bool:
         if isinstance(hit_point, Checkpoint):
-            if hit_point.hits and hit_point.node.visible_below and hit_point.origin not in (PASSED, RUNG):
-                return False  # a used checkpoint goes after those below it (see the module's docstring)
             return self.checkpoints.get(hit_point.node.block_hash) is hit_point and hit_point.pins == 0
         return (
             self.nodes.get(hit_point.block_hash) is hit_point
@@ -320,7 +341,7 @@ class PrefixCache:
         next turn resumes after the answer (requests that carry the answer on) or here
         (traffic whose prefixes match only in whole blocks, where an answer's pages are never
         reached again) is the workload's to say: from now on it is ranked by how often such
-        checkpoints get reused (`reuse_model.PASSED`), and it may go before those below it."""
+        checkpoints get reused (`reuse_model.PASSED`)."""
         ckpt = self.checkpoints.get(block_hash)
         if ckpt is None or ckpt.hits == 0 or ckpt.origin != PROMPT:
             return
@@ -391,16 +412,35 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def depth_above(self, hashes: list[bytes], pages: int) -> int:
+        """The depth of the nearest cached checkpoint above the prefix of `pages` pages that
+        `hashes` name (0: none): where hits at that prefix resume without a checkpoint there."""
+        for k in range(min(pages - 1, len(hashes)), 0, -1):
+            ckpt = self.checkpoints.get(hashes[k - 1])
+            if ckpt is not None:
+                return ckpt.depth
+        return 0
+
     def reserve_checkpoint(
-        self, depth: int, origin: int, hits: int, block_hash: bytes | None = None
+        self,
+        depth: int,
+        origin: int,
+        hits: int,
+        block_hash: bytes | None = None,
+        *,
+        ends_path: bool = True,
+        above: int = 0,
     ) -> list[int] | None:
         """Blocks for a checkpoint at `depth` (the prefix `block_hash` names) that a step will
         write, or None when making room would evict content ranked higher than it. Commit or
-        cancel them. A used-class checkpoint left out is remembered as a ghost, evicted at
-        birth, so that a request that would have hit it teaches the ranking it was wanted."""
+        cancel them. `ends_path`: whether it will end its path (a prompt end, a decode
+        boundary); `above`: the depth of the nearest checkpoint above it (`depth_above`). A
+        used-class checkpoint left out is remembered as a ghost, evicted at birth, so that a
+        request that would have hit it teaches the ranking it was wanted."""
         if not self.enabled or not self.recurrent:
             return None
-        if not self._make_room(self.checkpoint_blocks, self.prospective_rank(depth, origin, hits)):
+        floor = self.prospective_rank(depth, origin, hits, ends_path, above)
+        if not self._make_room(self.checkpoint_blocks, floor):
             self.counters.checkpoints_skipped += 1
             if block_hash is not None:
                 self.model.died(block_hash, hit_class(origin, hits), 0, self.now)
@@ -430,6 +470,7 @@ class PrefixCache:
         self.nodes.clear()
         self.node_of_block.clear()
         self.checkpoints.clear()
+        self._tops.clear()
         self._dead.clear()
         self._heap.clear()
 
@@ -447,10 +488,18 @@ class PrefixCache:
         self.checkpoints[block_hash] = ckpt
         self._dead.pop(node, None)
         delta = 1 - node.visible_below  # seen from above, it now stands for those below it
-        above = self._add_visible(node, delta)
-        alone_before = above is not None and above.node.visible_below - delta == 0
-        if alone_before and above.origin == RUNG and not above.pins:
-            self._push(above)  # a rung whose pages this one now holds: its rank changed (`rank`)
+        above = ckpt.above = self._add_visible(node, delta)
+        peers = above.under if above is not None else self._tops
+        if node.visible_below:  # those it stands for now resume here without their own
+            moved = [c for c in peers if c.depth > node.depth and _ancestor(c.node, node.depth) is node]
+            for c in moved:
+                del peers[c]
+                c.above = ckpt
+                ckpt.under[c] = None
+                self._rerank(c)
+        peers[ckpt] = None
+        if above is not None and above.node.visible_below - delta == 0:
+            self._rerank(above)  # its pages are held for this one now (`rank`)
         self.counters.checkpoints_written += 1
         self._push(ckpt)
         return ckpt
@@ -460,18 +509,29 @@ class PrefixCache:
         del self.checkpoints[node.block_hash]
         node.checkpoint = None
         self.pool.give_back(ckpt.blocks)
+        peers = ckpt.above.under if ckpt.above is not None else self._tops
+        del peers[ckpt]
+        for c in ckpt.under:  # they resume where it would have
+            c.above = ckpt.above
+            peers[c] = None
+            self._rerank(c)
+        ckpt.under = {}
         above = self._add_visible(node, node.visible_below - 1)  # those below it stand for themselves
-        if above is not None and not above.node.visible_below and not above.pins:
-            self._push(above)  # none below it any more: evictable, and ranked alone (`rank`)
+        if above is not None and not above.node.visible_below:
+            self._rerank(above)  # none below it any more: its pages are its own (`rank`)
         self._maybe_dead(node)
+
+    def _rerank(self, ckpt: Checkpoint) -> None:
+        """Its rank changed (what it saves, or what its eviction frees): a new place in the
+        eviction order (a pinned one gets it when unpinned)."""
+        if not ckpt.pins:
+            self._push(ckpt)
 
     def _add_visible(self, node: Node, delta: int) -> Checkpoint | None:
         """Adds `delta` to the visible counts of `node`'s ancestors up to the nearest one with
-        a checkpoint, which it returns (None: there is none, or nothing changed). Those further
-        up see that checkpoint and not what is below it, so a change costs the distance to it,
-        not the depth of the tree (a page or two where checkpoints are dense)."""
-        if delta == 0:
-            return None
+        a checkpoint, which it returns (None: there is none). Those further up see that
+        checkpoint and not what is below it, so a change costs the distance to it, not the
+        depth of the tree (a page or two where checkpoints are dense)."""
         n = node.parent
         while n is not None:
             n.visible_below += delta
@@ -594,6 +654,9 @@ class PrefixCache:
                 if n.checkpoint is not None:
                     break
                 n = n.parent
+            assert ckpt.above is (n.checkpoint if n is not None else None), "a nearest checkpoint above is off"
+            assert ckpt in (ckpt.above.under if ckpt.above is not None else self._tops)
+        assert len(self._tops) + sum(len(c.under) for c in self.checkpoints.values()) == len(self.checkpoints)
         for h, node in self.nodes.items():
             assert node.block_hash == h and (
                 node.parent is None or self.nodes.get(node.parent.block_hash) is node.parent
@@ -602,6 +665,13 @@ class PrefixCache:
             assert node.visible_below == visible[h], "a checkpoint count is off"
             assert (node in self._dead) == self._is_dead(node), "the dead-page list is off"
         assert all(self.nodes.get(n.block_hash) is n for n in self._dead)
+
+
+def _ancestor(node: Node, depth: int) -> Node:
+    """The node of `node`'s prefix that is `depth` tokens deep (`depth` <= its own)."""
+    while node.depth > depth:
+        node = node.parent
+    return node
 
 
 def _unreachable(node: Node) -> bool:

@@ -9,9 +9,10 @@ prompt's ladder, `checkpoint_policy`) and how often it has been used (1, 2, 3 or
 Speculative checkpoints (used 0 times, class 0) are not modelled: the cache keeps them in a
 tier below all used content.
 
-    rank = P(reused | class, age) / E[requests until that reuse | class, age] * value(depth)
+    rank = P(reused | class, age) / E[requests until that reuse | class, age] * value
 
-`value(depth)` is the compute a hit saves per byte held (`hit_value.py`). This is the hit
+`value` is the compute a hit there saves per byte its eviction frees (`hit_value.py`; for a
+checkpoint, over the nearest checkpoint above it: `prefix_cache`). This is the hit
 density of LHD (Beckmann, Chen & Cidon, NSDI 2018) with compute savings as the gain. It needs
 no constant from the user: a conversation trace whose turns come back ~30 requests apart
 teaches it that fresh chains are reused at age ~30 and never after, so it keeps the chains

@@ -55,7 +55,7 @@ def plan_cache(config: EngineConfig, cfg: ModelConfig, draft: ModelConfig | None
         has_kv=bool(cfg.num_attention_layers),
         checkpoint_blocks=blocks_per_checkpoint,
         value=costs.value_fn(),
-        rung_value=costs.rung_value,
+        checkpoint_value=costs.checkpoint_value,
         enabled=caching,
     )
     return CachePlan(cache, num_blocks, block_bytes, blocks_per_checkpoint, retention_interval, why, config)

@@ -314,11 +314,16 @@ class Scheduler:
                 k = pos // self.page_size - 1  # the prefix's hash waits for tokens not read yet past the known ones
                 block_hash = hashes[k] if k < len(hashes) else None
                 if block_hash is None or block_hash not in self.cache.checkpoints:
-                    wanted.append((kind is Kind.CANDIDATE, -pos, i, kind, block_hash))
+                    wanted.append((kind is Kind.CANDIDATE, -pos, i, kind, block_hash, hashes))
         saves = []
-        for _, neg_pos, i, kind, block_hash in sorted(wanted, key=lambda w: w[:3]):
+        for _, neg_pos, i, kind, block_hash, hashes in sorted(wanted, key=lambda w: w[:3]):
             hits = self._hits(step.seqs[i], kind, -neg_pos)
-            blocks = self.cache.reserve_checkpoint(-neg_pos, kind.origin, hits, block_hash)
+            # A prompt end or a decode boundary ends its path; the sequence goes on past the others.
+            ends_path = kind in (Kind.PROMPT, Kind.TRAILING)
+            above = self.cache.depth_above(hashes, -neg_pos // self.page_size) if hits else 0
+            blocks = self.cache.reserve_checkpoint(
+                -neg_pos, kind.origin, hits, block_hash, ends_path=ends_path, above=above
+            )
             if blocks is not None:
                 saves.append(CheckpointSave(i, -neg_pos, blocks, kind, hits))
         return saves

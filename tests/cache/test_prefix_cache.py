@@ -11,14 +11,19 @@ PAGE = 2
 CKPT = 2  # blocks per checkpoint
 
 
-def _cache(num_blocks: int, *, recurrent: bool = True, has_kv: bool = True, rung_value=None) -> PrefixCache:
+def _saved_per_block(depth: int, above: int, frees_pages: bool) -> float:
+    """A checkpoint's value in these tests: tokens saved over the one above per block freed."""
+    return (depth - above) / (CKPT + ((depth - above) // PAGE if frees_pages else 0))
+
+
+def _cache(num_blocks: int, *, recurrent: bool = True, has_kv: bool = True) -> PrefixCache:
     return PrefixCache(
         BlockPool(num_blocks),
         page_size=PAGE,
         has_kv=has_kv,
         checkpoint_blocks=CKPT if recurrent else 0,
         value=lambda depth: float(depth),
-        rung_value=rung_value,
+        checkpoint_value=_saved_per_block,
     )
 
 
@@ -132,18 +137,27 @@ def test_double_release_is_refused():
         BlockPool(1)
 
 
-def test_a_used_checkpoint_goes_only_after_those_below_it():
-    """A shared prefix's checkpoint is where everything below it falls back to: the deeper ones
-    go first even when it ranks lower (here: shallower, so worth less per byte)."""
-    cache = _cache(1 + 6 + 6 + 3 * CKPT)
-    shared = _store(cache, [1] * 12, [4, 12])  # checkpoints at 4 (the shared one) and 12 below it
-    other = _store(cache, [2] * 12, [12], hits=3)
+def test_a_path_end_is_worth_its_whole_prefix_and_one_above_others_what_it_saves_over_the_next():
+    """A checkpoint that ends its path is worth the whole prefix per byte of it and its pages;
+    one with checkpoints below it frees only its own blocks and saves only what lies between
+    it and the nearest one above, where its hits would resume. So a checkpoint a page below
+    another goes first, however deep, and a shared prefix's stays."""
+    cache = _cache(1 + 6 + 4 + 4 * CKPT)
+    path = _store(cache, [1] * 12, [8, 10, 12])  # 6 pages, checkpoints at 8, 10 and 12
+    other = _store(cache, [2] * 8, [8])  # 4 pages, a checkpoint at 8
     assert cache.pool.num_free == 0
-    assert cache.rank(cache.checkpoints[shared[1]]) < cache.rank(cache.checkpoints[shared[-1]])
-    cache.allocate(CKPT)
-    assert shared[1] in cache.checkpoints and shared[-1] not in cache.checkpoints
-    cache.allocate(CKPT + 4)  # the 4 pages only the deep one used, then the shared one: a leaf now
-    assert list(cache.checkpoints) == [other[-1]]
+    density = cache.model.density(hit_class(TRAILING, 1), 0)
+    at8, at10, at12 = (cache.checkpoints[path[k]] for k in (3, 4, 5))
+    assert cache.rank(at8) == (density * (8 / CKPT), 1)  # none above it
+    assert cache.rank(at10) == (density * (2 / CKPT), 1)  # 2 tokens over the one at 8
+    assert cache.rank(at12) == (density * (12 / (CKPT + 6)), 1)  # the path's end
+    assert cache.rank(cache.checkpoints[other[-1]]) == (density * (8 / (CKPT + 4)), 1)
+    cache.allocate(CKPT)  # the lowest: the one at 10, its pages held for the one at 12
+    assert set(cache.checkpoints) == {path[3], path[5], other[-1]} and not cache._dead
+    assert at12.above is at8
+    cache.now += 1  # the next request: ranks recomputed alike with what the evictions taught
+    cache.allocate(CKPT + 4)  # next the other path's end (8 / 6), then its pages
+    assert set(cache.checkpoints) == {path[3], path[5]}
     cache.check_invariants()
 
 
@@ -154,9 +168,8 @@ def test_a_prompt_end_decoded_past_is_ranked_as_such_and_may_go_before_those_bel
         cache.commit(cache.reserve_checkpoint(depth, origin, 1), hashes[depth // PAGE - 1], origin, 1)
     cache.release(blocks)
     prompt = cache.checkpoints[hashes[3]]
-    assert not cache._evictable(prompt)  # a used checkpoint above another
     cache.decoded_past(hashes[3])
-    assert prompt.origin == PASSED and prompt.hits == 1 and cache._evictable(prompt)
+    assert prompt.origin == PASSED and prompt.hits == 1
     cache.decoded_past(hashes[5])  # a decode boundary is not a prompt end: unchanged
     assert cache.checkpoints[hashes[5]].origin == TRAILING
 
@@ -164,9 +177,9 @@ def test_a_prompt_end_decoded_past_is_ranked_as_such_and_may_go_before_those_bel
 def test_a_candidate_resumed_from_on_a_path_nothing_branches_from_is_passed_else_a_junction():
     """A request that hits a candidate and goes on past it along cached pages of a path nothing
     branches from resumes that path (like a conversation's next turn): the candidate becomes a
-    checkpoint requests went past, which may go before the checkpoints below it (a junction
-    there would wait for them), and the request continues it. Where the request's path leaves
-    the cached pages at the candidate, or other paths branch from it, it is a junction."""
+    checkpoint requests went past, ranked by how often those get reused, and the request
+    continues it. Where the request's path leaves the cached pages at the candidate, or other
+    paths branch from it, it is a junction."""
     cache = _cache(1 + 8 + 3 * CKPT)
     hashes, blocks = _register(cache, [1] * 12)
     for depth, origin, hits in ((4, JUNCTION, 0), (8, JUNCTION, 0), (12, PROMPT, 1)):  # candidates at 4, 8
@@ -177,7 +190,7 @@ def test_a_candidate_resumed_from_on_a_path_nothing_branches_from_is_passed_else
     assert (match.hit_pages, match.reach_pages) == (4, 5)
     assert cache.record_hit(match) == (1, True)
     candidate = cache.checkpoints[hashes[3]]
-    assert candidate.origin == PASSED and candidate.node.visible_below == 1 and cache._evictable(candidate)
+    assert candidate.origin == PASSED and candidate.node.visible_below == 1
     branched = extend_hashes([], [1] * 4 + [2] * 8, PAGE, root_hash(None))  # parts at the candidate
     match = cache.match(branched)
     assert (match.hit_pages, match.reach_pages) == (2, 2)
@@ -196,34 +209,34 @@ def test_a_candidate_resumed_from_on_a_path_nothing_branches_from_is_passed_else
     assert match.checkpoint.origin == JUNCTION
 
 
-def test_a_rung_may_go_before_those_below_and_is_ranked_by_what_it_saves_over_the_rung_below():
-    cache = _cache(1 + 6 + 2 * CKPT, rung_value=lambda depth: 1000.0 + depth)
+def test_a_checkpoint_reranked_when_one_below_starts_or_stops_holding_its_pages():
+    cache = _cache(1 + 6 + 2 * CKPT)
     hashes, blocks = _register(cache, [1] * 12)
-    cache.commit(cache.reserve_checkpoint(4, RUNG, 1), hashes[1], RUNG, 1)
+    cache.commit(cache.reserve_checkpoint(4, RUNG, 1, ends_path=False), hashes[1], RUNG, 1)
     cache._refresh_ranks()  # ranked in this clock tick, alone on its path
     cache.commit(cache.reserve_checkpoint(12, PROMPT, 1), hashes[5], PROMPT, 1)  # a later chunk
     cache.release(blocks)
     cache.check_invariants()
     rung, prompt = cache.checkpoints[hashes[1]], cache.checkpoints[hashes[5]]
-    assert rung.node.visible_below == 1 and cache._evictable(rung)  # a used prompt end there would wait
+    assert rung.node.visible_below == 1 and prompt.above is rung
     density = cache.model.density(hit_class(RUNG, 1), 0)
-    assert cache.rank(rung) == (density * 1004.0, 1)  # the prompt end below holds its pages
+    assert cache.rank(rung) == (density * (4 / CKPT), 1)  # the prompt end below holds its pages
     # The eviction order has it at that rank in the same tick: a checkpoint ranked between its
-    # rank alone (4) and now (1004) finds nothing it may displace.
+    # rank alone (4 / 4) and the prompt end's (12 / 8) finds nothing it may displace.
     assert cache.pool.num_free == 0
-    assert cache.reserve_checkpoint(8, PROMPT, 1) is None and hashes[1] in cache.checkpoints
+    assert cache.reserve_checkpoint(10, PROMPT, 1) is None  # 10 / 7
+    assert hashes[1] in cache.checkpoints
     cache._drop_checkpoint(prompt)
-    assert cache.rank(rung) == (density * 4.0, 1)  # alone on its path: its pages are its own
+    assert cache.rank(rung) == (density * (4 / (CKPT + 2)), 1)  # alone on its path: its pages are its own
 
 
-def test_without_attention_layers_a_rung_is_valued_like_any_checkpoint():
-    cache = _cache(1 + 2 * CKPT, has_kv=False, rung_value=lambda depth: 1000.0 + depth)
+def test_without_attention_layers_a_checkpoint_frees_only_its_own_blocks():
+    cache = _cache(1 + 2 * CKPT, has_kv=False)
     hashes, _ = _register(cache, [1] * 12)
-    for depth, origin in ((4, RUNG), (12, PROMPT)):
-        cache.commit(cache.reserve_checkpoint(depth, origin, 1), hashes[depth // PAGE - 1], origin, 1)
-    rung = cache.checkpoints[hashes[1]]
-    assert rung.node.visible_below == 1  # no pages held for the one below: only its own blocks
-    assert cache.rank(rung) == (cache.model.density(hit_class(RUNG, 1), 0) * 4.0, 1)
+    cache.commit(cache.reserve_checkpoint(12, PROMPT, 1), hashes[5], PROMPT, 1)
+    prompt = cache.checkpoints[hashes[5]]
+    assert prompt.node.visible_below == 0  # the deepest, yet no pages to free
+    assert cache.rank(prompt) == (cache.model.density(hit_class(PROMPT, 1), 0) * 12 / CKPT, 1)
 
 
 def test_a_hit_on_a_rung_is_counted_as_a_rungs_reuse_and_makes_it_a_junction():
@@ -268,10 +281,35 @@ def test_a_checkpoint_is_counted_only_up_to_the_nearest_checkpoint_above():
     cache.commit(cache.reserve_checkpoint(24, TRAILING, 1), hashes[11], TRAILING, 1)
     assert top.visible_below == 1  # it sees the checkpoint at 8 only, not the one past it
     assert mid.visible_below == 1 and cache.nodes[hashes[7]].visible_below == 1
+    assert leaf.checkpoint.above is mid.checkpoint and list(mid.checkpoint.under) == [leaf.checkpoint]
     cache.check_invariants()
     cache._drop_checkpoint(mid.checkpoint)  # the one at 24 is now the nearest below the root
     assert top.visible_below == 1 and mid.visible_below == 1 and not cache._dead
+    assert leaf.checkpoint.above is None
     cache.check_invariants()
     cache._drop_checkpoint(leaf.checkpoint)  # nothing below: every page is dead, the leaf first
     assert top.visible_below == 0 and list(cache._dead) == [leaf]
+    cache.check_invariants()
+
+
+def test_a_checkpoint_written_above_others_becomes_where_they_resume():
+    """Written where paths with checkpoints below part, it is the nearest checkpoint above each
+    of them; a path that does not pass it keeps its own. A checkpoint that then finds itself
+    with none above saves its whole prefix."""
+    cache = _cache(1 + 16 + 4 + 5 * CKPT)  # 16 cached pages, 4 a running request holds
+    left = _store(cache, [1] * 8 + [2] * 8, [12, 16])
+    right = _store(cache, [1] * 8 + [3] * 8, [16])
+    apart = _store(cache, [4] * 8, [8])
+    shared, blocks = _register(cache, [1] * 8)  # the shared 4 pages, as a running request holds them
+    cache.commit(cache.reserve_checkpoint(8, JUNCTION, 2, ends_path=False), shared[-1], JUNCTION, 2)
+    cache.release(blocks)
+    junction, mid = cache.checkpoints[shared[-1]], cache.checkpoints[left[5]]
+    assert mid.above is junction and cache.checkpoints[right[-1]].above is junction
+    assert cache.checkpoints[left[-1]].above is mid
+    assert cache.checkpoints[apart[-1]].above is None and junction.above is None
+    density = cache.model.density(hit_class(TRAILING, 1), 0)
+    assert cache.rank(mid) == (density * (4 / CKPT), 1)  # 4 tokens over the junction
+    cache.check_invariants()
+    cache._drop_checkpoint(junction)
+    assert mid.above is None and cache.rank(mid) == (density * (12 / CKPT), 1)
     cache.check_invariants()

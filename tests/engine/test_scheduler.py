@@ -94,6 +94,7 @@ def _scheduler(
         has_kv=attention,
         checkpoint_blocks=CKPT_BLOCKS if mamba else 0,
         value=COSTS.value_fn(),
+        checkpoint_value=COSTS.checkpoint_value,
         enabled=caching,
     )
     return Scheduler(
