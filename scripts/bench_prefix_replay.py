@@ -204,19 +204,16 @@ def page_hits(saved: list[int], prompts: list[int], page_size: int) -> list[int]
     return [min(hit // page_size, (n - 1) // page_size) * page_size for hit, n in zip(saved, prompts)]
 
 
+def replay_arguments(path: Path, fmt: list[str], model_config: Path) -> list[str]:
+    """`replay_prefix_trace.py`'s arguments for a trace as the tables count it (KV and states
+    in bfloat16, as Marconi counts them), all but the budget."""
+    return [str(path), *fmt, "--model-config", str(model_config), "--kv-dtype", "bfloat16", "--state-dtype", "bfloat16"]
+
+
 def run_trace(name: str, path: Path, fmt: list[str], budgets: list[float], model_config: Path, radix_cache) -> dict:
     parser = argparse.ArgumentParser()
     replay_prefix_trace.add_trace_arguments(parser)
-    common = [
-        str(path),
-        *fmt,
-        "--model-config",
-        str(model_config),
-        "--kv-dtype",
-        "bfloat16",
-        "--state-dtype",
-        "bfloat16",
-    ]
+    common = replay_arguments(path, fmt, model_config)
     requests, cfg, _ = replay_prefix_trace.trace_and_sizes(parser, parser.parse_args([*common, "--budget-bytes", "0"]))
     num_input = sum(len(r.input_tokens) for r in requests)
     longest = max(len(r.input_tokens) + len(r.output_tokens) for r in requests)

@@ -12,7 +12,7 @@ tier below all used content.
     rank = P(reused | class, age) / E[requests until that reuse | class, age] * value
 
 `value` is the compute a hit there saves per byte its eviction frees (`hit_value.py`; for a
-checkpoint, over the nearest checkpoint above it: `prefix_cache`). This is the hit
+checkpoint, over the nearest checkpoint above it: `prefix_cache`). This follows the hit
 density of LHD (Beckmann, Chen & Cidon, NSDI 2018) with compute savings as the gain. It needs
 no constant from the user: a conversation trace whose turns come back ~30 requests apart
 teaches it that fresh chains are reused at age ~30 and never after, so it keeps the chains
@@ -28,6 +28,17 @@ workload. Each class starts from one pseudo-reuse and 1/uses pseudo-deaths sprea
 ages (LRU until data says otherwise, and a prefix used more often likelier to be used again),
 and ranks at least as high as a less used class of the same origin at the same age. Ties go
 by use count, then least recently pushed.
+
+The prior's reuse ages (up to 2**20 requests, about 100,000 on average) stay in the expected
+wait for as long as the counts do. Against the waits workloads show (tens to hundreds of
+requests), E[wait] is then about 100,000 requests over the class's reuses at or past the
+age, so the rank weighs how many reuses a class has seen there, not only how soon each of
+its hit points comes back: a class of many members (the contexts of many users) outranks a
+class of few that come back sooner (the system prompts those users share). A prior of a
+hundredth or a tenth of that weight, and LHD's own estimate (reuses over the expected
+remaining lifetime, deaths' ages included), rank by the measured waits; each kept those
+system prompts but lost more hits than it gained over the replay's traces (BENCHMARKS.md,
+"The reuse model's prior"), so the prior keeps its full weight.
 """
 
 import collections
