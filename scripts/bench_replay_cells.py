@@ -80,8 +80,9 @@ def _write(path: Path, make) -> Path:
     return path
 
 
-def _agentic(args: list[str]):
-    return lambda path: make_prefix_trace.main(["agentic", str(path), *args])
+def _trace(kind: str, args: list[str]):
+    """Writes `make_prefix_trace.py KIND PATH ARGS` when called with PATH."""
+    return lambda path: make_prefix_trace.main([kind, str(path), *args])
 
 
 def cells(groups: list[str], traces_dir: Path, mooncake_dir: Path | None) -> list[Cell]:
@@ -89,17 +90,18 @@ def cells(groups: list[str], traces_dir: Path, mooncake_dir: Path | None) -> lis
     out = []
     if "synthetic" in groups:
         for name, (spec, budgets) in bench_prefix_replay.SYNTHETIC.items():
-            make = lambda p, spec=spec: make_prefix_trace.main([spec[0], str(p), *spec[1:]])  # noqa: E731
-            path = _write(traces_dir / f"{name}.jsonl", make)
+            path = _write(traces_dir / f"{name}.jsonl", _trace(spec[0], spec[1:]))
             out += [Cell("synthetic", name, path, (), gb) for gb in budgets]
         for name in ("agentic", "agentic-long-spec"):
             spec, budgets = bench_prefix_replay.SYNTHETIC[name]
-            path = _write(traces_dir / f"{name}-mooncake.jsonl", _agentic([*spec[1:], "--mooncake-blocks", "512"]))
+            path = _write(
+                traces_dir / f"{name}-mooncake.jsonl", _trace(spec[0], [*spec[1:], "--mooncake-blocks", "512"])
+            )
             fmt = ("--format", "mooncake", "--block-tokens", "512")
             out += [Cell("synthetic", f"{name}, Mooncake's format", path, fmt, gb) for gb in budgets]
     if "held-out" in groups:
         for name, args in HELD_OUT.items():
-            path = _write(traces_dir / f"{name}.jsonl", _agentic(args.split()))
+            path = _write(traces_dir / f"{name}.jsonl", _trace("agentic", args.split()))
             out += [Cell("held-out", name, path, (), gb) for gb in HELD_OUT_BUDGETS]
     if "peer" in groups:
         if not all((traces_dir / f"{name}.jsonl").exists() for name in PEER_BUDGETS):
