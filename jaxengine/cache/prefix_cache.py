@@ -186,7 +186,7 @@ class PrefixCache:
         cls = hit_class(hit_point.origin, hit_point.hits)
         if isinstance(hit_point, Checkpoint):
             above = hit_point.above.depth if hit_point.above is not None else 0
-            value = self._checkpoint_value(hit_point.depth, not hit_point.node.visible_below, above)
+            value = self._checkpoint_value(hit_point.depth, above, not hit_point.node.visible_below)
         else:
             value = self.value(hit_point.depth)
         return self.model.density(cls, age) * value, hit_point.hits
@@ -201,7 +201,7 @@ class PrefixCache:
         value = self.checkpoint_value(depth, above, self.has_kv and ends_path)
         return self.model.density(hit_class(origin, hits), 0) * value, hits
 
-    def _checkpoint_value(self, depth: int, ends_path: bool, above: int) -> float:
+    def _checkpoint_value(self, depth: int, above: int, ends_path: bool) -> float:
         """What keeping a checkpoint at `depth` saves per byte. One that ends its path (no
         checkpoint below it) is worth the whole prefix per byte of it and its pages: when it
         goes its pages go, and the checkpoints above it, kept for it, are path ends in turn.
